@@ -1,0 +1,258 @@
+"""What the sync and async facades share and that does no I/O: argument checks, the named
+statements, and turning rows into results."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from functools import cache
+from importlib import resources
+from typing import Any
+
+from psycopg import sql
+
+from .errors import (
+    InvalidArgumentError,
+    InvalidChannelError,
+    InvalidPolicyError,
+    PayloadTooLargeError,
+)
+from .types import AckStatus, ChannelStats, CreateResult, CreateStatus, NewMessage, Policy
+
+DEFAULT_CHANNEL = "default"
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+MAX_LOCK_MS = 7 * 24 * 3600 * 1000
+MAX_BATCH = 100_000
+MAX_DEQUEUE_LIMIT = 10_000
+TIME_BOUND_MS = 10**15
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+_SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+# -- argument checks ---------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_schema(schema: object) -> str:
+    """A schema name: an identifier of letters, digits and underscores (at most 63)."""
+    if not isinstance(schema, str) or not _SCHEMA_RE.match(schema):
+        raise InvalidArgumentError(
+            f"schema must be 1 to 63 letters, digits or underscores, not starting with a "
+            f"digit; got {schema!r}"
+        )
+    if schema.lower().startswith("pg_"):
+        raise InvalidArgumentError(f"schema names starting with 'pg_' are reserved: {schema!r}")
+    return schema
+
+
+def check_channel(channel: object) -> str:
+    if channel is None:
+        return DEFAULT_CHANNEL
+    if not isinstance(channel, str):
+        raise InvalidChannelError(f"channel must be a str, got {type(channel).__name__}")
+    if not 1 <= len(channel) <= 255:
+        raise InvalidChannelError(f"channel name must be 1 to 255 characters, got {len(channel)}")
+    if "\x00" in channel:
+        raise InvalidChannelError("channel name must not contain NUL characters")
+    return channel
+
+
+def check_payload(name: str, value: object, *, optional: bool) -> bytes | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise InvalidArgumentError(
+            f"{name} must be bytes, got {type(value).__name__}"
+            + (" (encode text first, e.g. s.encode())" if isinstance(value, str) else "")
+        )
+    data = bytes(value)
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise PayloadTooLargeError(f"{name} must be at most 64 MiB, got {len(data)} bytes")
+    return data
+
+
+def check_time(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise InvalidArgumentError(
+            f"{name} must be an int (ms since the Unix epoch), got {type(value).__name__}"
+        )
+    assert isinstance(value, int)
+    if not -TIME_BOUND_MS <= value <= TIME_BOUND_MS:
+        raise InvalidArgumentError(f"{name} must be within +/-10^15 ms, got {value}")
+    return value
+
+
+def check_dedup_key(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"dedup_key must be a str, got {type(value).__name__}")
+    if not 1 <= len(value) <= 255 or "\x00" in value:
+        raise InvalidArgumentError("dedup_key must be 1 to 255 characters, without NUL")
+    return value
+
+
+def check_lock_ms(value: object) -> int:
+    if not _is_int(value) or not 1 <= value <= MAX_LOCK_MS:  # type: ignore[operator]
+        raise InvalidArgumentError(
+            f"lock_ms must be an int between 1 and {MAX_LOCK_MS} (7 days), got {value!r}"
+        )
+    assert isinstance(value, int)
+    return value
+
+
+def check_limit(value: object) -> int:
+    if not _is_int(value) or not 1 <= value <= MAX_DEQUEUE_LIMIT:  # type: ignore[operator]
+        raise InvalidArgumentError(
+            f"limit must be an int between 1 and {MAX_DEQUEUE_LIMIT}, got {value!r}"
+        )
+    assert isinstance(value, int)
+    return value
+
+
+def check_claim(message_id: object, num_attempts: object) -> tuple[int, int]:
+    if not _is_int(message_id) or not 1 <= message_id <= INT64_MAX:  # type: ignore[operator]
+        raise InvalidArgumentError(f"message id must be a positive int, got {message_id!r}")
+    if not _is_int(num_attempts) or not 1 <= num_attempts <= INT32_MAX:  # type: ignore[operator]
+        raise InvalidArgumentError(
+            f"num_attempts must be the positive int dequeue returned, got {num_attempts!r}"
+        )
+    return message_id, num_attempts  # type: ignore[return-value]
+
+
+def check_policy(
+    max_concurrency: object, release_interval_ms: object, max_size: object
+) -> Policy:
+    def bounded(name: str, value: object, upper: int, hint: str = "") -> int | None:
+        if value is None:
+            return None
+        if not _is_int(value) or not 0 <= value <= upper:  # type: ignore[operator]
+            raise InvalidPolicyError(
+                f"{name} must be None or an int between 0 and {upper}{hint}, got {value!r}"
+            )
+        return value  # type: ignore[return-value]
+
+    return Policy(
+        max_concurrency=bounded(
+            "max_concurrency", max_concurrency, INT32_MAX, " (0 pauses the channel)"
+        ),
+        release_interval_ms=bounded(
+            "release_interval_ms", release_interval_ms, 365 * 24 * 3600 * 1000, " (1 year)"
+        ),
+        max_size=bounded("max_size", max_size, INT64_MAX),
+    )
+
+
+def check_new_messages(items: Iterable[NewMessage]) -> list[NewMessage]:
+    if isinstance(items, NewMessage | bytes | str):
+        raise InvalidArgumentError("create_many takes an iterable of NewMessage")
+    checked: list[NewMessage] = []
+    for item in items:
+        if not isinstance(item, NewMessage):
+            raise InvalidArgumentError(
+                f"create_many takes NewMessage items, got {type(item).__name__}"
+            )
+        checked.append(
+            NewMessage(
+                content=check_payload("content", item.content, optional=False),  # type: ignore[arg-type]
+                channel=check_channel(item.channel),
+                dequeue_at=check_time("dequeue_at", item.dequeue_at),
+                dedup_key=check_dedup_key(item.dedup_key),
+            )
+        )
+        if len(checked) > MAX_BATCH:
+            raise InvalidArgumentError(f"at most {MAX_BATCH} messages per create_many call")
+    return checked
+
+
+def priority_to_dequeue_at(priority: object, dequeue_at: object) -> object:
+    """``priority=p`` is the historic ``dequeue_at=p``: ahead of every message of today."""
+    if priority is None:
+        return dequeue_at
+    if dequeue_at is not None:
+        raise InvalidArgumentError(
+            "priority and dequeue_at cannot be combined: a prioritised message is due now"
+        )
+    if not _is_int(priority) or not 0 <= priority <= 1_000_000:  # type: ignore[operator]
+        raise InvalidArgumentError(
+            f"priority must be an int between 0 (first) and 1000000, got {priority!r}"
+        )
+    return priority
+
+
+def check_event_channel(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= 63 or "\x00" in value:
+        raise InvalidArgumentError(f"event_channel must be 1 to 63 characters, got {value!r}")
+    return value
+
+
+# -- statements --------------------------------------------------------------------------
+
+
+@cache
+def statement_texts() -> dict[str, str]:
+    """The named statements of ``sql/statements.sql``."""
+    text = resources.files("lonnymq").joinpath("sql/statements.sql").read_text("utf-8")
+    statements: dict[str, str] = {}
+    name: str | None = None
+    lines: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("-- name: "):
+            if name is not None:
+                statements[name] = "\n".join(lines).strip()
+            name, lines = line.removeprefix("-- name: ").strip(), []
+        elif name is not None and not line.startswith("--"):
+            lines.append(line)
+    if name is not None:
+        statements[name] = "\n".join(lines).strip()
+    return statements
+
+
+class Statements:
+    """The named statements, composed for one schema."""
+
+    def __init__(self, schema: str) -> None:
+        ident = sql.Identifier(schema)
+        self._composed: dict[str, sql.Composed] = {
+            name: sql.SQL(text).format(schema=ident)  # type: ignore[arg-type]
+            for name, text in statement_texts().items()
+        }
+
+    def __getitem__(self, name: str) -> sql.Composed:
+        return self._composed[name]
+
+
+# -- rows to results ---------------------------------------------------------------------
+
+
+def create_result(row: Sequence[Any]) -> CreateResult:
+    status, message_id, channel_size = row
+    return CreateResult(status=CreateStatus(status), id=message_id, channel_size=channel_size)
+
+
+def ack_statuses(rows: Sequence[Sequence[Any]]) -> list[AckStatus]:
+    return [AckStatus(row[1]) for row in rows]
+
+
+def channel_stats(row: Sequence[Any]) -> ChannelStats:
+    channel, size, in_flight, next_at, max_concurrency, interval, max_size = row
+    return ChannelStats(
+        channel=channel,
+        size=size,
+        in_flight=in_flight,
+        next_dequeue_at=next_at,
+        policy=Policy(max_concurrency, interval, max_size),
+    )
+
+
+def optional_bytes(value: bytes | memoryview | None) -> bytes | None:
+    return None if value is None else bytes(value)

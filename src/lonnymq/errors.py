@@ -1,0 +1,159 @@
+"""The exceptions lonnymq raises.
+
+Every error is a :class:`LonnyMQError`; refusals by the queue carry their own SQLSTATE
+(class ``LQ``) and map to exactly one class::
+
+    LonnyMQError
+    ├── InvalidArgumentError (also a ValueError)     LQ003
+    │   ├── InvalidPolicyError                       LQ004
+    │   ├── InvalidChannelError                      LQ005
+    │   └── PayloadTooLargeError                     LQ006
+    ├── MessageError
+    │   ├── MessageNotFoundError                     LQ001
+    │   └── StaleMessageError                        LQ002
+    ├── SchemaError
+    │   ├── SchemaNotInstalledError
+    │   └── SchemaVersionError
+    ├── DatabaseError                                any other database error
+    │   └── DatabaseUnavailableError                 connection failed or lost
+    └── EmbeddedServerError
+
+A refusal changes nothing: the queue is as it was before the call.
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+__all__ = [
+    "DatabaseError",
+    "DatabaseUnavailableError",
+    "EmbeddedServerError",
+    "InvalidArgumentError",
+    "InvalidChannelError",
+    "InvalidPolicyError",
+    "LonnyMQError",
+    "MessageError",
+    "MessageNotFoundError",
+    "PayloadTooLargeError",
+    "SchemaError",
+    "SchemaNotInstalledError",
+    "SchemaVersionError",
+    "StaleMessageError",
+    "translate",
+]
+
+
+class LonnyMQError(Exception):
+    """Something lonnymq could not do."""
+
+    sqlstate: str | None = None
+
+
+class InvalidArgumentError(LonnyMQError, ValueError):
+    """An argument has the wrong type or is out of range; nothing was changed."""
+
+    sqlstate = "LQ003"
+
+
+class InvalidPolicyError(InvalidArgumentError):
+    """A channel policy value is out of range; the policy was not changed."""
+
+    sqlstate = "LQ004"
+
+
+class InvalidChannelError(InvalidArgumentError):
+    """A channel name is empty, too long or not text."""
+
+    sqlstate = "LQ005"
+
+
+class PayloadTooLargeError(InvalidArgumentError):
+    """A content or state is larger than the queue accepts (64 MiB)."""
+
+    sqlstate = "LQ006"
+
+
+class MessageError(LonnyMQError):
+    """An operation on one message was refused."""
+
+
+class MessageNotFoundError(MessageError):
+    """The message does not exist: it was already finished, or never created."""
+
+    sqlstate = "LQ001"
+
+
+class StaleMessageError(MessageError):
+    """You no longer hold this message's lock: it expired and the message was dequeued again,
+    or it went back to its channel. Nothing was changed; do not report the work as done."""
+
+    sqlstate = "LQ002"
+
+
+class SchemaError(LonnyMQError):
+    """The queue's schema is missing or at a version this package cannot use."""
+
+
+class SchemaNotInstalledError(SchemaError):
+    """The queue is not installed in this schema: call ``install()`` (or ``lonnymq install``)."""
+
+
+class SchemaVersionError(SchemaError):
+    """The schema was migrated by a newer lonnymq than this one: upgrade the package."""
+
+
+class DatabaseError(LonnyMQError):
+    """PostgreSQL reported an error that is not one of the queue's refusals."""
+
+    def __init__(self, message: str, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+
+
+class DatabaseUnavailableError(DatabaseError):
+    """The connection to PostgreSQL failed or was lost; the operation may be retried."""
+
+
+class EmbeddedServerError(LonnyMQError):
+    """The embedded PostgreSQL server could not be started."""
+
+
+_BY_SQLSTATE: dict[str, type[LonnyMQError]] = {
+    cls.sqlstate: cls
+    for cls in (
+        MessageNotFoundError,
+        StaleMessageError,
+        InvalidArgumentError,
+        InvalidPolicyError,
+        InvalidChannelError,
+        PayloadTooLargeError,
+    )
+    if cls.sqlstate is not None
+}
+
+# Missing schema, table or function: the queue was never installed here.
+_NOT_INSTALLED = {"3F000", "42P01", "42883"}
+
+
+def _primary_message(err: psycopg.Error) -> str:
+    diag = err.diag
+    return diag.message_primary or str(err).strip() or type(err).__name__
+
+
+def translate(err: psycopg.Error, *, schema: str | None = None) -> LonnyMQError:
+    """Turn a driver error into the lonnymq exception that describes it."""
+    sqlstate = err.sqlstate
+    message = _primary_message(err)
+    if sqlstate is not None and sqlstate in _BY_SQLSTATE:
+        return _BY_SQLSTATE[sqlstate](message)
+    if sqlstate in _NOT_INSTALLED:
+        where = f"schema {schema!r}" if schema is not None else "this schema"
+        return SchemaNotInstalledError(
+            f"lonnymq is not installed in {where} ({message}); call install() first"
+        )
+    if isinstance(err, psycopg.OperationalError) and sqlstate is None:
+        return DatabaseUnavailableError(message)
+    if sqlstate is not None and sqlstate[:2] in {"08", "57"}:
+        return DatabaseUnavailableError(message, sqlstate)
+    return DatabaseError(message, sqlstate)

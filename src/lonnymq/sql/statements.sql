@@ -1,0 +1,82 @@
+-- The statements the Python API sends: one call of one function each, with named arguments.
+-- `{schema}` is replaced by the quoted schema identifier; `%(name)s` are bound parameters.
+
+-- name: epoch
+SELECT {schema}.epoch()
+
+-- name: message_create_many
+SELECT status, id, channel_size FROM {schema}.message_create_many(
+    p_channels => %(channels)s::text[],
+    p_contents => %(contents)s::bytea[],
+    p_dequeue_ats => %(dequeue_ats)s::bigint[],
+    p_dedup_keys => %(dedup_keys)s::text[])
+
+-- name: message_create
+SELECT status, id, channel_size FROM {schema}.message_create(
+    p_content => %(content)s::bytea,
+    p_channel => %(channel)s::text,
+    p_dequeue_at => %(dequeue_at)s::bigint,
+    p_dedup_key => %(dedup_key)s::text)
+
+-- name: message_dequeue_many
+SELECT id, channel, content, state, num_attempts, dequeue_at, unlock_at, retry_at
+FROM {schema}.message_dequeue_many(
+    p_limit => %(limit)s::integer,
+    p_lock_ms => %(lock_ms)s::bigint)
+
+-- name: message_heartbeat
+SELECT {schema}.message_heartbeat(
+    p_id => %(id)s::bigint,
+    p_num_attempts => %(num_attempts)s::integer,
+    p_lock_ms => %(lock_ms)s::bigint)
+
+-- name: message_delete
+SELECT {schema}.message_delete(
+    p_id => %(id)s::bigint,
+    p_num_attempts => %(num_attempts)s::integer,
+    p_outcome => %(outcome)s::text,
+    p_error => %(error)s::text)
+
+-- name: message_delete_many
+SELECT id, status FROM {schema}.message_delete_many(
+    p_ids => %(ids)s::bigint[],
+    p_num_attempts => %(num_attempts)s::integer[])
+
+-- name: message_defer
+SELECT {schema}.message_defer(
+    p_id => %(id)s::bigint,
+    p_num_attempts => %(num_attempts)s::integer,
+    p_dequeue_at => %(dequeue_at)s::bigint,
+    p_state => %(state)s::bytea)
+
+-- name: message_defer_many
+SELECT id, status FROM {schema}.message_defer_many(
+    p_ids => %(ids)s::bigint[],
+    p_num_attempts => %(num_attempts)s::integer[],
+    p_dequeue_ats => %(dequeue_ats)s::bigint[],
+    p_states => %(states)s::bytea[])
+
+-- name: channel_policy_set
+SELECT {schema}.channel_policy_set(
+    p_channel => %(channel)s::text,
+    p_max_concurrency => %(max_concurrency)s::integer,
+    p_release_interval_ms => %(release_interval_ms)s::bigint,
+    p_max_size => %(max_size)s::bigint)
+
+-- name: channel_policy_clear
+SELECT {schema}.channel_policy_clear(p_channel => %(channel)s::text)
+
+-- name: channel_stats
+SELECT channel, size, in_flight, next_dequeue_at, max_concurrency, release_interval_ms, max_size
+FROM {schema}.channel_stats()
+
+-- name: config_set
+SELECT {schema}.config_set(
+    p_event_channel => %(event_channel)s::text,
+    p_archive => %(archive)s::boolean)
+
+-- name: config_get
+SELECT event_channel, archive FROM {schema}.config_get()
+
+-- name: clock_offset_set
+SELECT {schema}.clock_offset_set(p_offset_ms => %(offset_ms)s::bigint)

@@ -1,0 +1,105 @@
+"""Result and input types shared by the sync and async APIs (frozen dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+__all__ = [
+    "AckStatus",
+    "ChannelStats",
+    "CreateResult",
+    "CreateStatus",
+    "DequeueBatch",
+    "NewMessage",
+    "Policy",
+]
+
+M = TypeVar("M")
+
+
+class CreateStatus(StrEnum):
+    """What ``create`` did with a message."""
+
+    CREATED = "created"
+    """The message was added."""
+    DEDUPLICATED = "deduplicated"
+    """A live message of the channel has the same dedup key; its id is returned."""
+    DROPPED = "dropped"
+    """The channel is at its ``max_size``; nothing was added."""
+
+
+class AckStatus(StrEnum):
+    """The outcome of one message in ``delete_many`` / ``defer_many``."""
+
+    OK = "ok"
+    STALE = "stale"
+    """The lock was lost (see :class:`~lonnymq.errors.StaleMessageError`); nothing changed."""
+    NOT_FOUND = "not_found"
+    """The message no longer exists."""
+
+
+@dataclass(frozen=True, slots=True)
+class NewMessage:
+    """A message to create with ``create_many``.
+
+    ``dequeue_at`` is in ms since the Unix epoch (database clock); ``None`` means now. A
+    historic value (even 0 or negative) puts the message ahead of its channel's waiting ones.
+    """
+
+    content: bytes
+    channel: str | None = None
+    dequeue_at: int | None = None
+    dedup_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CreateResult:
+    """The result of creating one message.
+
+    ``id`` is the new message's id (or, when deduplicated, the live one's; ``None`` when
+    dropped). ``channel_size`` is the number of messages the channel holds afterwards.
+    """
+
+    status: CreateStatus
+    id: int | None
+    channel_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A channel policy; ``None`` means unlimited."""
+
+    max_concurrency: int | None = None
+    release_interval_ms: int | None = None
+    max_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelStats:
+    """One channel as ``stats()`` sees it.
+
+    ``size`` counts every message of the channel (waiting and in flight); ``in_flight`` the
+    locked ones (expired locks included until recovered); ``next_dequeue_at`` is when the
+    channel may next give a message (``None``: nothing waiting).
+    """
+
+    channel: str
+    size: int
+    in_flight: int
+    next_dequeue_at: int | None
+    policy: Policy
+
+
+@dataclass(frozen=True, slots=True)
+class DequeueBatch(Generic[M]):
+    """Messages from ``dequeue_batch``, and when to try again if there were none.
+
+    ``retry_at`` (ms, database clock) is set only when ``messages`` is empty: the earliest
+    time a message may become available, or ``None`` when nothing is waiting at all (or every
+    waiting channel is at its concurrency limit until a message finishes).
+    """
+
+    messages: list[M]
+    retry_at: int | None
