@@ -346,6 +346,7 @@ DECLARE
     v_count INTEGER := cardinality(p_contents);
     v_status TEXT[];
     v_id BIGINT[];
+    v_ids BIGINT[];
     v_size BIGINT[];
     v_item RECORD;
     v_channel channel;
@@ -373,8 +374,12 @@ BEGIN
         AS t(channel, content, dequeue_at, dedup_key);
 
     v_status := array_fill(NULL::TEXT, ARRAY[v_count]);
-    v_id := array_fill(NULL::BIGINT, ARRAY[v_count]);
     v_size := array_fill(NULL::BIGINT, ARRAY[v_count]);
+    -- Ids are drawn in input order (channels are then visited in name order to take their
+    -- locks), so a batch's messages are numbered as the caller listed them.
+    v_ids := ARRAY(SELECT nextval('message_id_seq')
+                   FROM generate_series(1, v_count));
+    v_id := array_fill(NULL::BIGINT, ARRAY[v_count]);
 
     FOR v_item IN
         SELECT coalesce(t.channel, 'default') AS channel, t.content,
@@ -408,9 +413,10 @@ BEGIN
         THEN
             v_status[v_item.ord] := 'dropped';
         ELSE
-            INSERT INTO message (channel, content, dequeue_at, dedup_key, created_at)
-            VALUES (v_item.channel, v_item.content, v_item.dequeue_at, v_item.dedup_key, v_now)
-            RETURNING message.id INTO v_new_id;
+            v_new_id := v_ids[v_item.ord];
+            INSERT INTO message (id, channel, content, dequeue_at, dedup_key, created_at)
+            VALUES (v_new_id, v_item.channel, v_item.content, v_item.dequeue_at,
+                    v_item.dedup_key, v_now);
             v_status[v_item.ord] := 'created';
             v_id[v_item.ord] := v_new_id;
             v_added := v_added + 1;
