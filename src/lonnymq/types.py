@@ -97,8 +97,8 @@ class DequeueBatch(Generic[M]):
     """Messages from ``dequeue_batch``, and when to try again if there were none.
 
     ``retry_at`` (ms, database clock) is set only when ``messages`` is empty: the earliest
-    time a message may become available, or ``None`` when nothing is waiting at all (or every
-    waiting channel is at its concurrency limit until a message finishes).
+    time a message may become available (a waiting message falls due, or a lock expires). It
+    is ``None`` when no servable channel has anything waiting and no message is locked.
     """
 
     messages: list[M]

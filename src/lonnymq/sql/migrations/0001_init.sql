@@ -495,8 +495,10 @@ $$;
 -- channel's next time moves to max(next head's dequeue_at, now + release interval) and it goes
 -- behind channels with the same time (round robin).
 -- When no message is returned, one row comes back with id NULL and retry_at set to the
--- earliest time a message may become available (NULL when none is waiting or all waiting
--- channels are saturated).
+-- earliest time a message may become available: the next due time of a servable channel, or
+-- the earliest lock expiry (an expired lock makes its message available again). It is NULL
+-- only when nothing is waiting in a servable channel and nothing is locked; a saturated
+-- channel becomes servable when one of its messages finishes, which publishes an event.
 -- Locks: rows it returns and the channel rows it serves; never waits (SKIP LOCKED).
 -- Raises: LQ003 (bad limit or lock_ms).
 CREATE FUNCTION message_dequeue_many(p_limit INTEGER, p_lock_ms BIGINT)

@@ -1,0 +1,280 @@
+"""Caller transactions, schema isolation, install, and the archive."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from lonnymq import CreateStatus, Queue
+from lonnymq.migrate import latest_version
+
+LOCK_MS = 60_000
+
+
+@pytest.fixture
+def other_schema(dsn: str) -> Iterator[str]:
+    """A second fresh schema name, dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    yield name
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def archive_rows(admin: psycopg.Connection[Any], schema: str) -> list[tuple[Any, ...]]:
+    query = sql.SQL(
+        "SELECT id, channel, content, state, num_attempts, outcome, error,"
+        " created_at, dequeue_at, locked_at, finished_at FROM {}.archive ORDER BY id"
+    ).format(sql.Identifier(schema))
+    return [tuple(row) for row in admin.execute(query)]
+
+
+# -- conn= -------------------------------------------------------------------------------
+
+
+def test_create_rolled_back_with_the_callers_transaction(queue: Queue, dsn: str) -> None:
+    with psycopg.connect(dsn) as conn:
+        created = queue.create(b"x", channel="a", conn=conn)
+        assert created.status is CreateStatus.CREATED
+        # Visible inside the caller's transaction...
+        assert [s.channel for s in queue.stats(conn=conn)] == ["a"]
+        # ...but not outside it until commit.
+        assert queue.stats() == []
+        conn.rollback()
+    assert queue.stats() == []
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+
+
+def test_create_commits_with_a_business_write(
+    queue: Queue, dsn: str, admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    orders = sql.Identifier(schema_name, "orders")
+    admin.execute(sql.SQL("CREATE TABLE {} (id INT PRIMARY KEY)").format(orders))
+    with psycopg.connect(dsn) as conn:
+        with conn.transaction():
+            conn.execute(sql.SQL("INSERT INTO {} VALUES (1)").format(orders))
+            queue.create(b"order-1", channel="orders", conn=conn)
+        # The business write fails after the create: both are rolled back.
+        queue.create(b"order-2", channel="orders", conn=conn)
+        with pytest.raises(psycopg.errors.UniqueViolation):
+            conn.execute(sql.SQL("INSERT INTO {} VALUES (1)").format(orders))
+        conn.rollback()
+
+    assert admin.execute(sql.SQL("SELECT id FROM {}").format(orders)).fetchall() == [(1,)]
+    messages = queue.dequeue_many(10, lock_ms=LOCK_MS)
+    assert [m.content for m in messages] == [b"order-1"]
+
+
+def test_dequeue_rolled_back_leaves_the_message_available(queue: Queue, dsn: str) -> None:
+    created = queue.create(b"x", channel="a")
+    with psycopg.connect(dsn) as conn:
+        taken = queue.dequeue(lock_ms=LOCK_MS, conn=conn)
+        assert taken is not None
+        assert taken.id == created.id
+        conn.rollback()
+    message = queue.dequeue(lock_ms=LOCK_MS)
+    assert message is not None
+    assert (message.id, message.num_attempts) == (created.id, 1)
+    stats = queue.channel("a").stats()
+    assert stats is not None
+    assert stats.in_flight == 1
+
+
+def test_delete_rolled_back_keeps_the_message_locked(queue: Queue, dsn: str) -> None:
+    queue.create(b"x", channel="a")
+    message = queue.dequeue(lock_ms=LOCK_MS)
+    assert message is not None
+    with psycopg.connect(dsn) as conn:
+        message.delete(conn=conn)
+        conn.rollback()
+    stats = queue.channel("a").stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (1, 1)
+    message.delete()
+    assert queue.stats() == []
+
+
+def test_delete_commits_with_a_business_write(
+    queue: Queue, dsn: str, admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    results = sql.Identifier(schema_name, "results")
+    admin.execute(sql.SQL("CREATE TABLE {} (content BYTEA)").format(results))
+    queue.create(b"work", channel="a")
+    message = queue.dequeue(lock_ms=LOCK_MS)
+    assert message is not None
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        conn.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(results), [message.content])
+        message.delete(conn=conn)
+    rows = admin.execute(sql.SQL("SELECT content FROM {}").format(results)).fetchall()
+    assert rows == [(b"work",)]
+    assert queue.stats() == []
+
+
+# -- schemas and install -----------------------------------------------------------------
+
+
+def test_schemas_are_isolated(
+    queue: Queue, make_queue: Callable[..., Queue], other_schema: str
+) -> None:
+    other = make_queue(schema=other_schema)
+    queue.create(b"mine", channel="a")
+    other.create(b"theirs", channel="a")
+    other.channel("b").set_policy(max_concurrency=1)
+
+    assert [(s.channel, s.size) for s in queue.stats()] == [("a", 1)]
+    assert [(s.channel, s.size) for s in other.stats()] == [("a", 1), ("b", 0)]
+    mine = queue.dequeue_many(10, lock_ms=LOCK_MS)
+    theirs = other.dequeue_many(10, lock_ms=LOCK_MS)
+    assert [m.content for m in mine] == [b"mine"]
+    assert [m.content for m in theirs] == [b"theirs"]
+
+    other.set_clock_offset(1_000_000)
+    assert queue.now() < other.now() - 900_000
+
+
+def test_install_is_idempotent(
+    queue: Queue, admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    created = queue.create(b"kept", channel="a")
+    queue.channel("a").set_policy(max_size=5)
+    version = latest_version()
+    assert queue.install() == version
+    assert queue.install() == version
+    stats = queue.stats()
+    assert [(s.channel, s.size, s.policy.max_size) for s in stats] == [("a", 1, 5)]
+    message = queue.dequeue(lock_ms=LOCK_MS)
+    assert message is not None
+    assert message.id == created.id
+    migrations = admin.execute(
+        sql.SQL("SELECT version FROM {}.migration").format(sql.Identifier(schema_name))
+    ).fetchall()
+    assert migrations == [(version,)]
+
+
+def test_concurrent_installs_into_a_new_schema(
+    dsn: str, admin: psycopg.Connection[Any], other_schema: str
+) -> None:
+    script = (
+        "import sys\n"
+        "from lonnymq import Queue\n"
+        "q = Queue(sys.argv[1], schema=sys.argv[2])\n"
+        "print(q.install())\n"
+        "q.close()\n"
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, dsn, other_schema],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outputs = [p.communicate(timeout=60) for p in processes]
+    for process, (out, err) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, err
+        assert out.strip() == str(latest_version())
+    migrations = admin.execute(
+        sql.SQL("SELECT version FROM {}.migration").format(sql.Identifier(other_schema))
+    ).fetchall()
+    assert migrations == [(latest_version(),)]
+
+    with Queue(dsn, schema=other_schema) as q:
+        assert q.create(b"x").status is CreateStatus.CREATED
+        assert q.dequeue(lock_ms=LOCK_MS) is not None
+
+
+# -- archive -----------------------------------------------------------------------------
+
+
+def test_archive_keeps_finished_messages(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    created_at = queue.now()
+    created = queue.create(b"payload", channel="a")
+    queue.set_clock_offset(1_000)
+    first = queue.dequeue(lock_ms=1_000)
+    assert first is not None
+    queue.set_clock_offset(3_000)  # the first lock expired: attempt 2
+    second = queue.dequeue(lock_ms=LOCK_MS)
+    assert second is not None
+    second.defer(state=b"progress")
+    third = queue.dequeue(lock_ms=LOCK_MS)
+    assert third is not None
+    locked_at = third.unlock_at - LOCK_MS
+    queue.set_clock_offset(10_000)
+    third.delete()
+
+    rows = archive_rows(admin, schema_name)
+    assert len(rows) == 1
+    (
+        row_id,
+        channel,
+        content,
+        state,
+        num_attempts,
+        outcome,
+        error,
+        row_created_at,
+        dequeue_at,
+        row_locked_at,
+        finished_at,
+    ) = rows[0]
+    assert (row_id, channel, bytes(content), bytes(state)) == (
+        created.id,
+        "a",
+        b"payload",
+        b"progress",
+    )
+    assert (num_attempts, outcome, error) == (3, "completed", None)
+    assert created_at <= row_created_at < created_at + 1_000
+    assert dequeue_at == third.dequeue_at
+    assert row_locked_at == locked_at
+    assert finished_at >= locked_at + 7_000
+    assert queue.stats() == []
+
+
+def test_archive_off_keeps_nothing(
+    queue: Queue, admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue.create(b"x", channel="a")
+    queue.create(b"y", channel="a")
+    messages = queue.dequeue_many(10, lock_ms=LOCK_MS)
+    messages[0].delete()
+    queue.delete_many(messages[1:])
+    assert queue.stats() == []
+    assert archive_rows(admin, schema_name) == []
+
+
+def test_archive_records_batch_deletes(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.create(b"x", channel="a")
+    queue.create(b"y", channel="b")
+    messages = queue.dequeue_many(10, lock_ms=LOCK_MS)
+    queue.delete_many(messages)
+    rows = archive_rows(admin, schema_name)
+    assert sorted((r[1], bytes(r[2]), r[4], r[5]) for r in rows) == [
+        ("a", b"x", 1, "completed"),
+        ("b", b"y", 1, "completed"),
+    ]
+
+
+def test_archive_can_be_turned_off_again(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.install(archive=False)
+    queue.create(b"x", channel="a")
+    message = queue.dequeue(lock_ms=LOCK_MS)
+    assert message is not None
+    message.delete()
+    assert archive_rows(admin, schema_name) == []
