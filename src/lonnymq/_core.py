@@ -28,7 +28,7 @@ TIME_BOUND_MS = 10**15
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
-_SCHEMA_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+_SCHEMA_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
 
 
 # -- argument checks ---------------------------------------------------------------------
@@ -40,7 +40,7 @@ def _is_int(value: object) -> bool:
 
 def check_schema(schema: object) -> str:
     """A schema name: an identifier of letters, digits and underscores (at most 63)."""
-    if not isinstance(schema, str) or not _SCHEMA_RE.match(schema):
+    if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
         raise InvalidArgumentError(
             f"schema must be 1 to 63 letters, digits or underscores, not starting with a "
             f"digit; got {schema!r}"
@@ -50,6 +50,15 @@ def check_schema(schema: object) -> str:
     return schema
 
 
+def _encodable(value: str) -> bool:
+    """Whether ``value`` has a UTF-8 form (lone surrogates have none)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_channel(channel: object) -> str:
     if channel is None:
         return DEFAULT_CHANNEL
@@ -57,8 +66,8 @@ def check_channel(channel: object) -> str:
         raise InvalidChannelError(f"channel must be a str, got {type(channel).__name__}")
     if not 1 <= len(channel) <= 255:
         raise InvalidChannelError(f"channel name must be 1 to 255 characters, got {len(channel)}")
-    if "\x00" in channel:
-        raise InvalidChannelError("channel name must not contain NUL characters")
+    if "\x00" in channel or not _encodable(channel):
+        raise InvalidChannelError("channel name must be valid Unicode text without NUL characters")
     return channel
 
 
@@ -94,8 +103,10 @@ def check_dedup_key(value: object) -> str | None:
         return None
     if not isinstance(value, str):
         raise InvalidArgumentError(f"dedup_key must be a str, got {type(value).__name__}")
-    if not 1 <= len(value) <= 255 or "\x00" in value:
-        raise InvalidArgumentError("dedup_key must be 1 to 255 characters, without NUL")
+    if not 1 <= len(value) <= 255 or "\x00" in value or not _encodable(value):
+        raise InvalidArgumentError(
+            "dedup_key must be 1 to 255 characters of valid Unicode text, without NUL"
+        )
     return value
 
 
@@ -127,6 +138,22 @@ def check_claim(message_id: object, num_attempts: object) -> tuple[int, int]:
     return message_id, num_attempts  # type: ignore[return-value]
 
 
+def check_claims(messages: object) -> list[tuple[int, int]]:
+    """(id, num_attempts) of each message of a batch, checked."""
+    if isinstance(messages, bytes | str) or not isinstance(messages, Iterable):
+        raise InvalidArgumentError(
+            f"expected a sequence of messages, got {type(messages).__name__}"
+        )
+    claims = []
+    for message in messages:
+        message_id = getattr(message, "id", None)
+        num_attempts = getattr(message, "num_attempts", None)
+        claims.append(check_claim(message_id, num_attempts))
+    if len(claims) > MAX_BATCH:
+        raise InvalidArgumentError(f"at most {MAX_BATCH} messages per call, got {len(claims)}")
+    return claims
+
+
 def check_policy(max_concurrency: object, release_interval_ms: object, max_size: object) -> Policy:
     def bounded(name: str, value: object, upper: int, hint: str = "") -> int | None:
         if value is None:
@@ -149,8 +176,10 @@ def check_policy(max_concurrency: object, release_interval_ms: object, max_size:
 
 
 def check_new_messages(items: Iterable[NewMessage]) -> list[NewMessage]:
-    if isinstance(items, NewMessage | bytes | str):
-        raise InvalidArgumentError("create_many takes an iterable of NewMessage")
+    if isinstance(items, NewMessage | bytes | str) or not isinstance(items, Iterable):
+        raise InvalidArgumentError(
+            f"create_many takes an iterable of NewMessage, got {type(items).__name__}"
+        )
     checked: list[NewMessage] = []
     for item in items:
         if not isinstance(item, NewMessage):
@@ -188,7 +217,12 @@ def priority_to_dequeue_at(priority: object, dequeue_at: object) -> object:
 def check_event_channel(value: object) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or not 1 <= len(value) <= 63 or "\x00" in value:
+    if (
+        not isinstance(value, str)
+        or not 1 <= len(value) <= 63
+        or "\x00" in value
+        or not _encodable(value)
+    ):
         raise InvalidArgumentError(f"event_channel must be 1 to 63 characters, got {value!r}")
     return value
 

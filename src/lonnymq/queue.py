@@ -456,7 +456,7 @@ class Queue:
         A message whose lock was lost is reported ``stale`` and left alone; the others are
         still finished.
         """
-        claims = [_core.check_claim(m.id, m.num_attempts) for m in messages]
+        claims = _core.check_claims(messages)
         if not claims:
             return []
         params = {"ids": [c[0] for c in claims], "num_attempts": [c[1] for c in claims]}
@@ -470,7 +470,7 @@ class Queue:
         conn: Connection[Any] | None = None,
     ) -> list[AckStatus]:
         """Give back many messages in one call (all to ``dequeue_at``, default now)."""
-        claims = [_core.check_claim(m.id, m.num_attempts) for m in messages]
+        claims = _core.check_claims(messages)
         if not claims:
             return []
         at = _core.check_time("dequeue_at", dequeue_at)

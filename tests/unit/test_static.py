@@ -1,0 +1,257 @@
+"""Static properties of the package: statements, migrations, the generated sync API, the
+public names and the error tree. Most need no database; the ones that look at an installed
+schema use the usual fixtures."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import lonnymq
+from lonnymq import Queue, _core, errors, migrate, types
+
+ROOT = Path(__file__).resolve().parents[2]
+MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+Conn = psycopg.Connection[Any]
+
+
+def _schema_functions(admin: Conn, schema: str) -> dict[str, list[Any]]:
+    rows = admin.execute(
+        "SELECT p.proname, p.proconfig, p.proargnames FROM pg_proc p"
+        " JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+        [schema],
+    ).fetchall()
+    return {name: [config, argnames] for name, config, argnames in rows}
+
+
+# -- statements --------------------------------------------------------------------------
+
+
+def test_statements_are_found() -> None:
+    names = set(_core.statement_texts())
+    assert {"message_create", "message_dequeue_many", "message_delete", "epoch"} <= names
+
+
+def test_every_statement_calls_its_own_function(queue: Queue, admin: Conn) -> None:
+    functions = _schema_functions(admin, queue.schema)
+    statements = _core.statement_texts()
+    assert statements
+    for name, text in statements.items():
+        called = re.findall(r"\{schema\}\.(\w+)\(", text)
+        assert called == [name], f"statement {name} calls {called}"
+        assert name in functions, f"statement {name}: no function {queue.schema}.{name}"
+        argnames = set(functions[name][1] or [])
+        for arg in re.findall(r"\b(p_\w+)\s*=>", text):
+            assert arg in argnames, f"statement {name} passes {arg}, not a parameter"
+
+
+def test_statements_compose_for_a_schema() -> None:
+    statements = _core.Statements("my_schema")
+    text = statements["message_create"].as_string()
+    assert '"my_schema".message_create(' in text or "my_schema.message_create(" in text
+    assert "{schema}" not in text
+
+
+# -- migrations --------------------------------------------------------------------------
+
+
+def test_migration_files_are_numbered_consecutively_from_1() -> None:
+    folder = resources.files("lonnymq").joinpath("sql/migrations")
+    names = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".sql"))
+    assert names
+    versions = []
+    for name in names:
+        match = MIGRATION_NAME.match(name)
+        assert match is not None, f"migration file {name!r} is not NNNN_name.sql"
+        versions.append(int(match[1]))
+    assert versions == list(range(1, len(versions) + 1))
+    shipped = migrate.migrations()
+    assert [m.version for m in shipped] == versions
+    assert migrate.latest_version() == versions[-1]
+
+
+def test_no_stray_files_among_migrations() -> None:
+    folder = resources.files("lonnymq").joinpath("sql/migrations")
+    stray = [
+        entry.name
+        for entry in folder.iterdir()
+        if entry.name != "__pycache__" and MIGRATION_NAME.match(entry.name) is None
+    ]
+    assert stray == []
+
+
+def test_every_function_pins_its_search_path(queue: Queue, admin: Conn) -> None:
+    functions = _schema_functions(admin, queue.schema)
+    assert len(functions) >= 20
+    for name, (config, _) in functions.items():
+        paths = [c for c in config or [] if c.startswith("search_path=")]
+        assert len(paths) == 1, f"function {name} does not pin its search_path"
+        parts = [p.strip() for p in paths[0].removeprefix("search_path=").split(",")]
+        assert parts[0] == queue.schema, f"{name}: {paths[0]}"
+        assert parts[-1] == "pg_temp", f"{name}: {paths[0]}"
+
+
+# -- the generated sync API --------------------------------------------------------------
+
+
+def test_sync_api_is_up_to_date_with_the_async_one() -> None:
+    result = subprocess.run(
+        [sys.executable, "tools/async_to_sync.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_sync_and_async_apis_have_the_same_methods() -> None:
+    def public(cls: type) -> set[str]:
+        return {n for n in vars(cls) if not n.startswith("_") or n in {"__init__"}}
+
+    async_to_sync = {"__aenter__": "__enter__", "__aexit__": "__exit__"}
+    assert {async_to_sync.get(n, n) for n in public(lonnymq.AsyncQueue)} == public(Queue)
+    assert public(lonnymq.AsyncChannel) == public(lonnymq.Channel)
+
+
+# -- public names ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [lonnymq, errors, types, migrate])
+def test_all_names_exist(module: Any) -> None:
+    names = module.__all__
+    assert names
+    assert len(names) == len(set(names))
+    for name in names:
+        assert hasattr(module, name), f"{module.__name__}.__all__ names missing {name}"
+
+
+# -- the error tree ----------------------------------------------------------------------
+
+REFUSALS: dict[str, type[errors.LonnyMQError]] = {
+    "LQ001": errors.MessageNotFoundError,
+    "LQ002": errors.StaleMessageError,
+    "LQ003": errors.InvalidArgumentError,
+    "LQ004": errors.InvalidPolicyError,
+    "LQ005": errors.InvalidChannelError,
+    "LQ006": errors.PayloadTooLargeError,
+}
+
+
+def test_each_refusal_class_has_a_distinct_sqlstate() -> None:
+    classes = [
+        getattr(errors, name)
+        for name in errors.__all__
+        if isinstance(getattr(errors, name), type)
+        and issubclass(getattr(errors, name), errors.LonnyMQError)
+    ]
+    states = [cls.sqlstate for cls in classes if cls.sqlstate is not None]
+    assert len(states) == len(set(states))
+    assert sorted(states) == sorted(REFUSALS)
+    for sqlstate, cls in REFUSALS.items():
+        assert cls.sqlstate == sqlstate
+        assert issubclass(cls, errors.LonnyMQError)
+
+
+def _raise(admin: Conn, sqlstate: str, message: str) -> psycopg.Error:
+    block = sql.SQL("DO $$ BEGIN RAISE EXCEPTION {} USING ERRCODE = {}; END $$").format(
+        sql.Literal(message), sql.Literal(sqlstate)
+    )
+    with pytest.raises(psycopg.Error) as caught:
+        admin.execute(block)
+    assert caught.value.sqlstate == sqlstate
+    return caught.value
+
+
+@pytest.mark.parametrize(("sqlstate", "cls"), list(REFUSALS.items()))
+def test_translate_maps_each_refusal_to_its_class(
+    admin: Conn, sqlstate: str, cls: type[errors.LonnyMQError]
+) -> None:
+    translated = errors.translate(_raise(admin, sqlstate, f"refused {sqlstate}"))
+    assert type(translated) is cls
+    assert str(translated) == f"refused {sqlstate}"
+
+
+def test_translate_other_errors(admin: Conn) -> None:
+    other = errors.translate(_raise(admin, "22012", "division"))
+    assert type(other) is errors.DatabaseError
+    assert other.sqlstate == "22012"
+    missing = errors.translate(_raise(admin, "42883", "no function"), schema="nowhere")
+    assert type(missing) is errors.SchemaNotInstalledError
+    assert "nowhere" in str(missing)
+    lost = errors.translate(_raise(admin, "57P01", "shutdown"))
+    assert type(lost) is errors.DatabaseUnavailableError
+
+
+def test_translated_queue_errors_carry_the_sqlstate(queue: Queue) -> None:
+    with pytest.raises(errors.InvalidChannelError) as caught:
+        queue._fetch(  # bypass the Python checks: the database refuses on its own
+            "channel_policy_set",
+            {"channel": "", "max_concurrency": None, "release_interval_ms": None,
+             "max_size": None},
+            None,
+        )  # fmt: skip
+    assert caught.value.sqlstate == "LQ005"
+    assert "channel name" in str(caught.value)
+
+
+# -- the install script ------------------------------------------------------------------
+
+
+def _install_by_script(admin: Conn, schema: str) -> None:
+    script = migrate.script(schema)
+    assert script.startswith("BEGIN;")
+    assert script.rstrip().endswith("COMMIT;")
+    admin.execute(script.encode())
+
+
+def _create_and_take(admin: Conn, schema: str) -> None:
+    ident = sql.Identifier(schema)
+    created = admin.execute(
+        sql.SQL("SELECT status, id, channel_size FROM {}.message_create(%s, 'c')").format(ident),
+        [b"payload"],
+    ).fetchone()
+    assert created is not None
+    assert (created[0], created[2]) == ("created", 1)
+    taken = admin.execute(
+        sql.SQL("SELECT id, channel, content FROM {}.message_dequeue(60000)").format(ident)
+    ).fetchone()
+    assert taken == (created[1], "c", b"payload")
+
+
+def test_install_script_installs_a_working_queue(dsn: str, admin: Conn, schema_name: str) -> None:
+    _install_by_script(admin, schema_name)
+    _create_and_take(admin, schema_name)
+    recorded = admin.execute(
+        sql.SQL("SELECT version, name FROM {}.migration ORDER BY version").format(
+            sql.Identifier(schema_name)
+        )
+    ).fetchall()
+    assert recorded == [(m.version, m.name) for m in migrate.migrations()]
+    # The Python API sees it as installed and up to date, and works on it.
+    with Queue(dsn, schema=schema_name) as queue:
+        assert queue.install() == migrate.latest_version()
+        assert [s.channel for s in queue.stats()] == ["c"]
+        assert queue.create(b"more", channel="c").channel_size == 2
+    # Nothing to do from the latest version on.
+    later = migrate.script(schema_name, from_version=migrate.latest_version())
+    assert "-- migration" not in later
+
+
+def test_install_script_quotes_any_schema_name(admin: Conn) -> None:
+    schema = 'we"ird; DROP TABLE x; --'
+    try:
+        _install_by_script(admin, schema)
+        _create_and_take(admin, schema)
+    finally:
+        admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
