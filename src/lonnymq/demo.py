@@ -99,10 +99,15 @@ def run_demo(*, dsn: str | None, messages: int, workers: int) -> int:
             while not stop.is_set():
                 batch = queue.dequeue_batch(8, lock_ms=LOCK_MS)
                 if not batch.messages:
+                    # Nothing ready: either the queue is drained, or every channel with work
+                    # is at its limit or rate until another worker finishes. Back off briefly
+                    # instead of polling (the Worker of a later release waits on NOTIFY).
                     idle_since = idle_since or time.perf_counter()
-                    if not queue.stats() or time.perf_counter() - idle_since > 10:
+                    if batch.retry_at is None and all(c.size == 0 for c in queue.stats()):
                         return
-                    time.sleep(0.002)
+                    if time.perf_counter() - idle_since > 10:
+                        return
+                    time.sleep(0.01)
                     continue
                 idle_since = None
                 with lock:
