@@ -68,6 +68,8 @@ CREATE TABLE channel (
     release_interval_ms BIGINT,
     max_size BIGINT,
     current_size BIGINT NOT NULL DEFAULT 0,
+    -- Messages locked now; kept only while max_concurrency is set (0 otherwise), so that
+    -- finishing a message of a policy-free channel is a HOT update of its row.
     current_concurrency BIGINT NOT NULL DEFAULT 0,
     -- When the head may next leave: max(head's dequeue_at, last dequeue + release interval).
     -- NULL when the channel has no waiting (unlocked) message.
@@ -114,11 +116,13 @@ CREATE INDEX archive_finished_at_ix ON archive (finished_at);
 -- counting the seconds twice. now() is fixed for a transaction, so within one transaction time
 -- does not move and order is decided by id.
 CREATE FUNCTION epoch() RETURNS BIGINT
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT floor(extract(epoch FROM now()) * 1000)::BIGINT + c.clock_offset_ms
-    FROM config c
+BEGIN
+    RETURN (SELECT floor(extract(epoch FROM now()) * 1000)::BIGINT + c.clock_offset_ms
+        FROM config c);
+END;
 $$;
 
 
@@ -137,63 +141,75 @@ END;
 $$;
 
 CREATE FUNCTION arg_check_channel(p_channel TEXT) RETURNS VOID
-LANGUAGE sql IMMUTABLE
+LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT arg_check(
-        p_channel IS NOT NULL AND char_length(p_channel) BETWEEN 1 AND 255,
-        format('channel name must be 1 to 255 characters, got %s',
-            coalesce(char_length(p_channel)::TEXT || ' characters', 'NULL')),
-        'LQ005')
+BEGIN
+    PERFORM arg_check(
+            p_channel IS NOT NULL AND char_length(p_channel) BETWEEN 1 AND 255,
+            format('channel name must be 1 to 255 characters, got %s',
+                coalesce(char_length(p_channel)::TEXT || ' characters', 'NULL')),
+            'LQ005');
+END;
 $$;
 
 CREATE FUNCTION arg_check_lock_ms(p_lock_ms BIGINT) RETURNS VOID
-LANGUAGE sql IMMUTABLE
+LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT arg_check(
-        p_lock_ms BETWEEN 1 AND 604800000,
-        format('lock_ms must be between 1 and 604800000 (7 days), got %s',
-            coalesce(p_lock_ms::TEXT, 'NULL')))
+BEGIN
+    PERFORM arg_check(
+            p_lock_ms BETWEEN 1 AND 604800000,
+            format('lock_ms must be between 1 and 604800000 (7 days), got %s',
+                coalesce(p_lock_ms::TEXT, 'NULL')));
+END;
 $$;
 
 CREATE FUNCTION arg_check_time(p_name TEXT, p_value BIGINT) RETURNS VOID
-LANGUAGE sql IMMUTABLE
+LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT arg_check(
-        p_value IS NULL OR p_value BETWEEN -1000000000000000 AND 1000000000000000,
-        format('%s must be within +/-10^15 ms, got %s', p_name, p_value))
+BEGIN
+    PERFORM arg_check(
+            p_value IS NULL OR p_value BETWEEN -1000000000000000 AND 1000000000000000,
+            format('%s must be within +/-10^15 ms, got %s', p_name, p_value));
+END;
 $$;
 
 CREATE FUNCTION arg_check_payload(p_name TEXT, p_value BYTEA) RETURNS VOID
-LANGUAGE sql IMMUTABLE
+LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT arg_check(
-        p_value IS NULL OR octet_length(p_value) <= 67108864,
-        format('%s must be at most 64 MiB, got %s bytes', p_name, octet_length(p_value)),
-        'LQ006')
+BEGIN
+    PERFORM arg_check(
+            p_value IS NULL OR octet_length(p_value) <= 67108864,
+            format('%s must be at most 64 MiB, got %s bytes', p_name, octet_length(p_value)),
+            'LQ006');
+END;
 $$;
 
 CREATE FUNCTION arg_check_dedup_key(p_dedup_key TEXT) RETURNS VOID
-LANGUAGE sql IMMUTABLE
+LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT arg_check(
-        p_dedup_key IS NULL OR char_length(p_dedup_key) BETWEEN 1 AND 255,
-        format('dedup_key must be 1 to 255 characters, got %s characters',
-            char_length(p_dedup_key)))
+BEGIN
+    PERFORM arg_check(
+            p_dedup_key IS NULL OR char_length(p_dedup_key) BETWEEN 1 AND 255,
+            format('dedup_key must be 1 to 255 characters, got %s characters',
+                char_length(p_dedup_key)));
+END;
 $$;
 
 CREATE FUNCTION arg_check_claim(p_id BIGINT, p_num_attempts INTEGER) RETURNS VOID
-LANGUAGE sql IMMUTABLE
+LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT arg_check(p_id IS NOT NULL, 'message id must not be NULL'),
-           arg_check(p_num_attempts IS NOT NULL AND p_num_attempts >= 1,
-               format('num_attempts must be at least 1 (the value dequeue returned), got %s',
-                   coalesce(p_num_attempts::TEXT, 'NULL')))
+BEGIN
+    PERFORM arg_check(p_id IS NOT NULL, 'message id must not be NULL'),
+               arg_check(p_num_attempts IS NOT NULL AND p_num_attempts >= 1,
+                   format('num_attempts must be at least 1 (the value dequeue returned), got %s',
+                       coalesce(p_num_attempts::TEXT, 'NULL')));
+END;
 $$;
 
 
@@ -233,14 +249,16 @@ $$;
 -- channel_next_at(): when the channel's head may next leave, given the earliest time the
 -- release interval allows; NULL when nothing waits. One probe of message_channel_head_ix.
 CREATE FUNCTION channel_next_at(p_channel TEXT, p_release_at BIGINT) RETURNS BIGINT
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT greatest(m.dequeue_at, p_release_at)
-    FROM message m
-    WHERE m.channel = p_channel AND NOT m.is_locked
-    ORDER BY m.dequeue_at, m.id
-    LIMIT 1
+BEGIN
+    RETURN (SELECT greatest(m.dequeue_at, p_release_at)
+        FROM message m
+        WHERE m.channel = p_channel AND NOT m.is_locked
+        ORDER BY m.dequeue_at, m.id
+        LIMIT 1);
+END;
 $$;
 
 
@@ -273,11 +291,13 @@ $$;
 CREATE FUNCTION channel_servable_at(
     p_next_at BIGINT, p_concurrency BIGINT, p_max_concurrency INTEGER
 ) RETURNS BIGINT
-LANGUAGE sql IMMUTABLE
+LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT CASE WHEN p_max_concurrency IS NULL OR p_concurrency < p_max_concurrency
-                THEN p_next_at END
+BEGIN
+    RETURN (SELECT CASE WHEN p_max_concurrency IS NULL OR p_concurrency < p_max_concurrency
+                    THEN p_next_at END);
+END;
 $$;
 
 -- channel_announce(): publish an event when a change made a channel servable sooner than
@@ -285,42 +305,39 @@ $$;
 CREATE FUNCTION channel_announce(
     p_before BIGINT, p_after BIGINT, p_type TEXT, p_id BIGINT, p_channel TEXT
 ) RETURNS VOID
-LANGUAGE sql
-SET search_path FROM CURRENT
-AS $$
-    SELECT event_publish(p_type, p_id, p_channel, p_after)
-    WHERE p_after IS NOT NULL AND (p_before IS NULL OR p_after < p_before)
-$$;
-
-
--- channel_settle(): a message of a locked channel left or went back to waiting: apply the
--- counter deltas and the new next dequeue time, drop the row of a policy-free channel that
--- became empty, and announce a channel that became servable sooner.
-CREATE FUNCTION channel_settle(
-    p_channel channel, p_size_delta BIGINT, p_concurrency_delta BIGINT, p_next_at BIGINT,
-    p_event TEXT, p_id BIGINT
-) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
-DECLARE
-    v_size BIGINT := p_channel.current_size + p_size_delta;
-    v_concurrency BIGINT := p_channel.current_concurrency + p_concurrency_delta;
 BEGIN
-    IF v_size = 0 AND NOT p_channel.has_policy THEN
-        DELETE FROM channel c WHERE c.name = p_channel.name;
+    IF p_after IS NOT NULL AND (p_before IS NULL OR p_after < p_before) THEN
+        PERFORM event_publish(p_type, p_id, p_channel, p_after);
+    END IF;
+END;
+$$;
+
+
+-- message_check_new(): refuse a bad new message (LQ003, LQ005, LQ006). The common case (all
+-- good) is one expression; the named checks run only to say what is wrong.
+CREATE FUNCTION message_check_new(
+    p_channel TEXT, p_content BYTEA, p_dequeue_at BIGINT, p_dedup_key TEXT
+) RETURNS VOID
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_content IS NOT NULL AND octet_length(p_content) <= 67108864
+        AND char_length(p_channel) BETWEEN 1 AND 255
+        AND (p_dequeue_at IS NULL
+             OR p_dequeue_at BETWEEN -1000000000000000 AND 1000000000000000)
+        AND (p_dedup_key IS NULL OR char_length(p_dedup_key) BETWEEN 1 AND 255)
+    THEN
         RETURN;
     END IF;
-    UPDATE channel c SET
-        current_size = v_size,
-        current_concurrency = v_concurrency,
-        next_dequeue_at = p_next_at
-    WHERE c.name = p_channel.name;
-    PERFORM channel_announce(
-        channel_servable_at(p_channel.next_dequeue_at, p_channel.current_concurrency,
-            p_channel.max_concurrency),
-        channel_servable_at(p_next_at, v_concurrency, p_channel.max_concurrency),
-        p_event, p_id, p_channel.name);
+    PERFORM arg_check_channel(p_channel),
+            arg_check(p_content IS NOT NULL, 'content must not be NULL'),
+            arg_check_payload('content', p_content),
+            arg_check_time('dequeue_at', p_dequeue_at),
+            arg_check_dedup_key(p_dedup_key);
 END;
 $$;
 
@@ -365,11 +382,8 @@ BEGIN
         AND coalesce(cardinality(p_dedup_keys), v_count) = v_count,
         'channels, contents, dequeue_ats and dedup_keys must have the same length');
     -- Validate everything before changing anything.
-    PERFORM arg_check_channel(coalesce(t.channel, 'default')),
-            arg_check(t.content IS NOT NULL, 'content must not be NULL'),
-            arg_check_payload('content', t.content),
-            arg_check_time('dequeue_at', t.dequeue_at),
-            arg_check_dedup_key(t.dedup_key)
+    PERFORM message_check_new(coalesce(t.channel, 'default'), t.content, t.dequeue_at,
+                              t.dedup_key)
     FROM unnest(p_channels, p_contents, p_dequeue_ats, p_dedup_keys)
         AS t(channel, content, dequeue_at, dedup_key);
 
@@ -473,18 +487,52 @@ BEGIN
 END;
 $$;
 
--- message_create(): add one message; see message_create_many.
+-- message_create(): add one message; see message_create_many for the outcomes. This is the
+-- hottest path, so the single-message form is written out: lock the channel row, insert,
+-- update the row.
+-- Locks: the channel row. Raises: LQ003, LQ005, LQ006.
 CREATE FUNCTION message_create(
     p_content BYTEA,
     p_channel TEXT DEFAULT NULL,
     p_dequeue_at BIGINT DEFAULT NULL,
     p_dedup_key TEXT DEFAULT NULL
 ) RETURNS TABLE (status TEXT, id BIGINT, channel_size BIGINT)
-LANGUAGE sql
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
-    SELECT * FROM message_create_many(
-        ARRAY[p_channel], ARRAY[p_content], ARRAY[p_dequeue_at], ARRAY[p_dedup_key])
+#variable_conflict use_column
+DECLARE
+    v_name TEXT := coalesce(p_channel, 'default');
+    v_now BIGINT;
+    v_at BIGINT;
+    v_channel channel;
+    v_id BIGINT;
+BEGIN
+    PERFORM message_check_new(v_name, p_content, p_dequeue_at, p_dedup_key);
+    v_now := epoch();
+    v_at := coalesce(p_dequeue_at, v_now);
+    v_channel := channel_lock(v_name);
+    IF p_dedup_key IS NOT NULL THEN
+        SELECT m.id INTO v_id FROM message m
+        WHERE m.channel = v_name AND m.dedup_key = p_dedup_key;
+        IF FOUND THEN
+            status := 'deduplicated'; id := v_id; channel_size := v_channel.current_size;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+    END IF;
+    IF v_channel.max_size IS NOT NULL AND v_channel.current_size >= v_channel.max_size THEN
+        status := 'dropped'; id := NULL; channel_size := v_channel.current_size;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    INSERT INTO message (channel, content, dequeue_at, dedup_key, created_at)
+    VALUES (v_name, p_content, v_at, p_dedup_key, v_now)
+    RETURNING message.id INTO v_id;
+    PERFORM message_create_settle(v_channel, 1, v_at, v_id);
+    status := 'created'; id := v_id; channel_size := v_channel.current_size + 1;
+    RETURN NEXT;
+END;
 $$;
 
 
@@ -518,6 +566,8 @@ DECLARE
     v_channel channel;
     v_release_at BIGINT;
     v_retry_at BIGINT;
+    v_recover BOOLEAN := TRUE;
+    v_found BOOLEAN;
 BEGIN
     PERFORM arg_check(p_limit BETWEEN 1 AND 10000,
         format('limit must be between 1 and 10000, got %s', coalesce(p_limit::TEXT, 'NULL')));
@@ -526,15 +576,25 @@ BEGIN
     WHILE v_taken < p_limit AND v_probes < 2 * p_limit + 8 LOOP
         v_probes := v_probes + 1;
 
-        -- 1. A message whose lock expired: its holder is gone.
-        SELECT * INTO v_message FROM message m
-        WHERE m.is_locked AND m.unlock_at <= v_now
-        ORDER BY m.unlock_at, m.id
-        LIMIT 1
-        FOR UPDATE SKIP LOCKED;
+        -- 1. A message whose lock expired: its holder is gone. Its channel slot was never
+        -- released, so the channel is not touched. Once none is found, stop looking.
+        IF v_recover THEN
+            UPDATE message m SET
+                unlock_at = v_now + p_lock_ms,
+                locked_at = v_now,
+                num_attempts = m.num_attempts + 1
+            WHERE m.id = (
+                SELECT e.id FROM message e
+                WHERE e.is_locked AND e.unlock_at <= v_now
+                ORDER BY e.unlock_at, e.id
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED)
+            RETURNING m.* INTO v_message;
+            v_recover := FOUND;
+        END IF;
 
-        IF NOT FOUND THEN
-            -- 2. The head of the next channel in turn.
+        IF NOT v_recover THEN
+            -- 2. The head of the channel whose turn it is.
             SELECT * INTO v_channel FROM channel c
             WHERE c.next_dequeue_at IS NOT NULL
               AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
@@ -544,42 +604,39 @@ BEGIN
             FOR UPDATE SKIP LOCKED;
             EXIT WHEN NOT FOUND;
 
-            SELECT * INTO v_message FROM message m
-            WHERE m.channel = v_channel.name AND NOT m.is_locked AND m.dequeue_at <= v_now
-            ORDER BY m.dequeue_at, m.id
-            LIMIT 1
-            FOR UPDATE SKIP LOCKED;
-
-            IF NOT FOUND THEN
-                -- The head is held by another session or not due yet: recompute the time.
-                UPDATE channel c SET
-                    next_dequeue_at = channel_next_at(c.name,
-                        c.last_dequeue_at + coalesce(c.release_interval_ms, 0)),
-                    turn = nextval('channel_turn_seq')
-                WHERE c.name = v_channel.name;
-                CONTINUE;
-            END IF;
-
-            -- Lock the message first so that the next-head probe below no longer sees it.
             UPDATE message m SET
                 is_locked = TRUE,
                 unlock_at = v_now + p_lock_ms,
                 locked_at = v_now,
                 num_attempts = m.num_attempts + 1
-            WHERE m.id = v_message.id;
-            v_release_at := v_now + coalesce(v_channel.release_interval_ms, 0);
+            WHERE m.id = (
+                SELECT h.id FROM message h
+                WHERE h.channel = v_channel.name AND NOT h.is_locked AND h.dequeue_at <= v_now
+                ORDER BY h.dequeue_at, h.id
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED)
+            RETURNING m.* INTO v_message;
+            v_found := FOUND;
+
+            -- Send the channel to the back: its next time is its new head's dequeue_at, but
+            -- not before the release interval has passed since this dequeue. (When no head
+            -- was found, another session holds it or it is not due: just recompute.)
+            v_release_at := CASE WHEN v_found THEN v_now ELSE v_channel.last_dequeue_at END
+                + coalesce(v_channel.release_interval_ms, 0);
             UPDATE channel c SET
-                current_concurrency = c.current_concurrency + 1,
-                last_dequeue_at = v_now,
-                next_dequeue_at = channel_next_at(c.name, v_release_at),
+                current_concurrency = CASE
+                    WHEN v_found AND c.max_concurrency IS NOT NULL
+                    THEN c.current_concurrency + 1
+                    ELSE c.current_concurrency END,
+                last_dequeue_at = CASE WHEN v_found THEN v_now ELSE c.last_dequeue_at END,
+                next_dequeue_at = (
+                    SELECT greatest(n.dequeue_at, v_release_at) FROM message n
+                    WHERE n.channel = c.name AND NOT n.is_locked
+                    ORDER BY n.dequeue_at, n.id
+                    LIMIT 1),
                 turn = nextval('channel_turn_seq')
             WHERE c.name = v_channel.name;
-        ELSE
-            UPDATE message m SET
-                unlock_at = v_now + p_lock_ms,
-                locked_at = v_now,
-                num_attempts = m.num_attempts + 1
-            WHERE m.id = v_message.id;
+            CONTINUE WHEN NOT v_found;
         END IF;
 
         v_taken := v_taken + 1;
@@ -587,9 +644,9 @@ BEGIN
         channel := v_message.channel;
         content := v_message.content;
         state := v_message.state;
-        num_attempts := v_message.num_attempts + 1;
+        num_attempts := v_message.num_attempts;
         dequeue_at := v_message.dequeue_at;
-        unlock_at := v_now + p_lock_ms;
+        unlock_at := v_message.unlock_at;
         retry_at := NULL;
         RETURN NEXT;
     END LOOP;
@@ -624,19 +681,18 @@ AS $$
 $$;
 
 
--- message_claim(): lock a message that the caller says it holds, and check that it does:
--- the message must exist (else LQ001), be locked and have the caller's attempt count (else
--- LQ002: the lock expired and another dequeue took it, or it was never dequeued).
--- Locks: the message row (FOR UPDATE).
-CREATE FUNCTION message_claim(p_id BIGINT, p_num_attempts INTEGER) RETURNS message
+-- message_refuse(): a caller said it holds a message, and the statement that required it
+-- matched nothing: raise why. LQ001 when the message does not exist; LQ002 when it is not
+-- locked (its lock expired and it went back, or it was never dequeued) or carries another
+-- attempt count (its lock expired and another dequeue took it).
+CREATE FUNCTION message_refuse(p_id BIGINT, p_num_attempts INTEGER) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_message message;
 BEGIN
-    PERFORM arg_check_claim(p_id, p_num_attempts);
-    SELECT * INTO v_message FROM message m WHERE m.id = p_id FOR UPDATE;
+    SELECT * INTO v_message FROM message m WHERE m.id = p_id;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'message % does not exist (already finished, or never created)', p_id
             USING ERRCODE = 'LQ001';
@@ -646,12 +702,9 @@ BEGIN
             'channel, or it was never dequeued', p_id
             USING ERRCODE = 'LQ002';
     END IF;
-    IF v_message.num_attempts <> p_num_attempts THEN
-        RAISE EXCEPTION 'message % was dequeued again (attempt %, you hold attempt %): your lock '
-            'expired', p_id, v_message.num_attempts, p_num_attempts
-            USING ERRCODE = 'LQ002';
-    END IF;
-    RETURN v_message;
+    RAISE EXCEPTION 'message % was dequeued again (attempt %, you hold attempt %): your lock '
+        'expired', p_id, v_message.num_attempts, p_num_attempts
+        USING ERRCODE = 'LQ002';
 END;
 $$;
 
@@ -667,37 +720,59 @@ DECLARE
     v_unlock_at BIGINT;
 BEGIN
     PERFORM arg_check_lock_ms(p_lock_ms);
-    PERFORM message_claim(p_id, p_num_attempts);
-    v_unlock_at := epoch() + p_lock_ms;
-    UPDATE message m SET unlock_at = v_unlock_at WHERE m.id = p_id;
+    PERFORM arg_check_claim(p_id, p_num_attempts);
+    UPDATE message m SET unlock_at = epoch() + p_lock_ms
+    WHERE m.id = p_id AND m.is_locked AND m.num_attempts = p_num_attempts
+    RETURNING m.unlock_at INTO v_unlock_at;
+    IF NOT FOUND THEN
+        PERFORM message_refuse(p_id, p_num_attempts);
+    END IF;
     RETURN v_unlock_at;
 END;
 $$;
 
 
--- message_finish(): remove a claimed message, free its channel slot and, when the archive is
--- on, keep a copy with its outcome. The caller has claimed the message.
--- Locks: the channel row (after the message row).
-CREATE FUNCTION message_finish(p_message message, p_outcome TEXT, p_error TEXT)
-RETURNS VOID
+-- message_finish(): delete a message you hold, keep a copy with its outcome when the archive
+-- is on, and free its channel slot (announcing the channel when that makes it servable).
+-- Locks: the message row, then its channel row. Raises: LQ001, LQ002.
+CREATE FUNCTION message_finish(
+    p_id BIGINT, p_num_attempts INTEGER, p_outcome TEXT, p_error TEXT
+) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    v_now BIGINT := epoch();
+    v_message message;
     v_channel channel;
 BEGIN
-    DELETE FROM message m WHERE m.id = p_message.id;
+    DELETE FROM message m
+    WHERE m.id = p_id AND m.is_locked AND m.num_attempts = p_num_attempts
+    RETURNING m.* INTO v_message;
+    IF NOT FOUND THEN
+        PERFORM message_refuse(p_id, p_num_attempts);
+    END IF;
     IF (SELECT c.archive FROM config c) THEN
         INSERT INTO archive (id, channel, content, state, dedup_key, num_attempts, outcome,
                              error, created_at, dequeue_at, locked_at, finished_at)
-        VALUES (p_message.id, p_message.channel, p_message.content, p_message.state,
-                p_message.dedup_key, p_message.num_attempts, p_outcome, p_error,
-                p_message.created_at, p_message.dequeue_at, p_message.locked_at, v_now)
+        VALUES (v_message.id, v_message.channel, v_message.content, v_message.state,
+                v_message.dedup_key, v_message.num_attempts, p_outcome, p_error,
+                v_message.created_at, v_message.dequeue_at, v_message.locked_at, epoch())
         ON CONFLICT (id) DO NOTHING;
     END IF;
-    SELECT * INTO STRICT v_channel FROM channel c WHERE c.name = p_message.channel FOR UPDATE;
-    PERFORM channel_settle(v_channel, -1, -1, v_channel.next_dequeue_at, 'ready', NULL);
+    -- The in-flight counter is kept only for channels with a concurrency limit, so that the
+    -- row of a policy-free channel gets a HOT update here.
+    UPDATE channel c SET
+        current_size = c.current_size - 1,
+        current_concurrency = CASE
+            WHEN c.max_concurrency IS NULL THEN 0 ELSE c.current_concurrency - 1 END
+    WHERE c.name = v_message.channel
+    RETURNING c.* INTO v_channel;
+    IF v_channel.current_size = 0 AND NOT v_channel.has_policy THEN
+        DELETE FROM channel c WHERE c.name = v_channel.name;
+    ELSIF v_channel.current_concurrency = v_channel.max_concurrency - 1 THEN
+        -- It was saturated: a worker may be waiting for this slot.
+        PERFORM channel_announce(NULL, v_channel.next_dequeue_at, 'ready', NULL, v_channel.name);
+    END IF;
 END;
 $$;
 
@@ -711,38 +786,52 @@ LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 BEGIN
+    PERFORM arg_check_claim(p_id, p_num_attempts);
     PERFORM arg_check(p_outcome IS NOT NULL AND char_length(p_outcome) BETWEEN 1 AND 64,
         'outcome must be 1 to 64 characters');
-    PERFORM message_finish(message_claim(p_id, p_num_attempts), p_outcome, p_error);
+    PERFORM message_finish(p_id, p_num_attempts, p_outcome, p_error);
 END;
 $$;
 
 
--- message_requeue(): put a claimed message back to wait until p_dequeue_at (keeping its
--- attempt count, and replacing its state when p_state is given), free its channel slot and
--- bring the channel's next dequeue time forward when the message now comes first.
--- Locks: the channel row (after the message row).
-CREATE FUNCTION message_requeue(p_message message, p_dequeue_at BIGINT, p_state BYTEA)
-RETURNS VOID
+-- message_requeue(): put a message you hold back to wait until p_dequeue_at (default now),
+-- keeping its attempt count and replacing its state when p_state is given; free its channel
+-- slot and bring the channel's next dequeue time forward when the message now comes first.
+-- Locks: the message row, then its channel row. Raises: LQ001, LQ002.
+CREATE FUNCTION message_requeue(
+    p_id BIGINT, p_num_attempts INTEGER, p_dequeue_at BIGINT, p_state BYTEA
+) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    v_dequeue_at BIGINT := coalesce(p_dequeue_at, epoch());
+    v_message message;
     v_channel channel;
-    v_candidate BIGINT;
+    v_next_at BIGINT;
+    v_concurrency BIGINT;
 BEGIN
     UPDATE message m SET
         is_locked = FALSE,
         unlock_at = NULL,
-        dequeue_at = v_dequeue_at,
+        dequeue_at = coalesce(p_dequeue_at, epoch()),
         state = coalesce(p_state, m.state)
-    WHERE m.id = p_message.id;
-    SELECT * INTO STRICT v_channel FROM channel c WHERE c.name = p_message.channel FOR UPDATE;
-    v_candidate := greatest(v_dequeue_at,
-        v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0));
-    PERFORM channel_settle(v_channel, 0, -1,
-        least(v_channel.next_dequeue_at, v_candidate), 'deferred', p_message.id);
+    WHERE m.id = p_id AND m.is_locked AND m.num_attempts = p_num_attempts
+    RETURNING m.* INTO v_message;
+    IF NOT FOUND THEN
+        PERFORM message_refuse(p_id, p_num_attempts);
+    END IF;
+    SELECT * INTO STRICT v_channel FROM channel c WHERE c.name = v_message.channel FOR UPDATE;
+    v_next_at := least(v_channel.next_dequeue_at, greatest(v_message.dequeue_at,
+        v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0)));
+    v_concurrency := CASE WHEN v_channel.max_concurrency IS NULL THEN 0
+                          ELSE v_channel.current_concurrency - 1 END;
+    UPDATE channel c SET current_concurrency = v_concurrency, next_dequeue_at = v_next_at
+    WHERE c.name = v_channel.name;
+    PERFORM channel_announce(
+        channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
+            v_channel.max_concurrency),
+        channel_servable_at(v_next_at, v_concurrency, v_channel.max_concurrency),
+        'deferred', p_id, v_channel.name);
 END;
 $$;
 
@@ -757,9 +846,10 @@ LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 BEGIN
+    PERFORM arg_check_claim(p_id, p_num_attempts);
     PERFORM arg_check_time('dequeue_at', p_dequeue_at);
     PERFORM arg_check_payload('state', p_state);
-    PERFORM message_requeue(message_claim(p_id, p_num_attempts), p_dequeue_at, p_state);
+    PERFORM message_requeue(p_id, p_num_attempts, p_dequeue_at, p_state);
 END;
 $$;
 
@@ -793,8 +883,7 @@ BEGIN
         ORDER BY m.channel, t.id, t.ord
     LOOP
         BEGIN
-            PERFORM message_finish(message_claim(v_item.id, v_item.num_attempts),
-                'completed', NULL);
+            PERFORM message_finish(v_item.id, v_item.num_attempts, 'completed', NULL);
             v_status[v_item.ord] := 'ok';
         EXCEPTION
             WHEN SQLSTATE 'LQ001' THEN v_status[v_item.ord] := 'not_found';
@@ -839,8 +928,8 @@ BEGIN
         ORDER BY m.channel, t.id, t.ord
     LOOP
         BEGIN
-            PERFORM message_requeue(message_claim(v_item.id, v_item.num_attempts),
-                v_item.dequeue_at, v_item.state);
+            PERFORM message_requeue(v_item.id, v_item.num_attempts, v_item.dequeue_at,
+                v_item.state);
             v_status[v_item.ord] := 'ok';
         EXCEPTION
             WHEN SQLSTATE 'LQ001' THEN v_status[v_item.ord] := 'not_found';
@@ -868,6 +957,7 @@ AS $$
 DECLARE
     v_channel channel;
     v_next_at BIGINT;
+    v_concurrency BIGINT;
 BEGIN
     PERFORM arg_check_channel(p_channel);
     PERFORM arg_check(p_max_concurrency IS NULL OR p_max_concurrency >= 0,
@@ -885,15 +975,22 @@ BEGIN
         v_channel.last_dequeue_at + coalesce(p_release_interval_ms, 0));
     UPDATE channel c SET
         has_policy = TRUE,
+        -- The in-flight counter is kept only under a limit: count it when one starts.
+        current_concurrency = CASE
+            WHEN p_max_concurrency IS NULL THEN 0
+            WHEN c.max_concurrency IS NOT NULL THEN c.current_concurrency
+            ELSE (SELECT count(*) FROM message m WHERE m.channel = p_channel AND m.is_locked)
+            END,
         max_concurrency = p_max_concurrency,
         release_interval_ms = p_release_interval_ms,
         max_size = p_max_size,
         next_dequeue_at = v_next_at
-    WHERE c.name = p_channel;
+    WHERE c.name = p_channel
+    RETURNING c.current_concurrency INTO v_concurrency;
     PERFORM channel_announce(
         channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
             v_channel.max_concurrency),
-        channel_servable_at(v_next_at, v_channel.current_concurrency, p_max_concurrency),
+        channel_servable_at(v_next_at, v_concurrency, p_max_concurrency),
         'ready', NULL, p_channel);
 END;
 $$;
@@ -920,7 +1017,7 @@ BEGIN
     v_next_at := channel_next_at(p_channel, v_channel.last_dequeue_at);
     UPDATE channel c SET
         has_policy = FALSE, max_concurrency = NULL, release_interval_ms = NULL, max_size = NULL,
-        next_dequeue_at = v_next_at
+        current_concurrency = 0, next_dequeue_at = v_next_at
     WHERE c.name = p_channel;
     PERFORM channel_announce(
         channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
@@ -939,9 +1036,15 @@ RETURNS TABLE (
 LANGUAGE sql STABLE
 SET search_path FROM CURRENT
 AS $$
-    SELECT c.name, c.current_size, c.current_concurrency, c.next_dequeue_at,
-           c.max_concurrency, c.release_interval_ms, c.max_size
+    -- Channels without a concurrency limit keep no in-flight counter: count their locks.
+    SELECT c.name, c.current_size,
+           CASE WHEN c.max_concurrency IS NOT NULL THEN c.current_concurrency
+                ELSE coalesce(l.locked, 0) END,
+           c.next_dequeue_at, c.max_concurrency, c.release_interval_ms, c.max_size
     FROM channel c
+    LEFT JOIN (
+        SELECT m.channel, count(*) AS locked FROM message m WHERE m.is_locked GROUP BY m.channel
+    ) l ON l.channel = c.name
     ORDER BY c.name
 $$;
 
