@@ -146,28 +146,34 @@ def test_one_event_per_explicit_transaction(equeue: Queue, listener: Listener, d
     assert payloads[0]["channel"] == "t1"
 
 
-def test_create_many_publishes_again_for_an_earlier_time(equeue: Queue, listener: Listener) -> None:
+def test_create_many_announces_only_its_earliest_time(equeue: Queue, listener: Listener) -> None:
     now = equeue.now()
-    # Channels are settled in name order: "a" (due later) is announced first, then "b" is
-    # due earlier than that announcement and must be announced too.
-    equeue.create_many(
-        [
-            NewMessage(b"a", channel="a", dequeue_at=now + 60_000),
-            NewMessage(b"b", channel="b", dequeue_at=now + 1_000),
-        ]
-    )
+    # Whatever the input order, a batch announces the soonest channel, once.
+    for first, second in ((60_000, 1_000), (1_000, 60_000)):
+        equeue.create_many(
+            [
+                NewMessage(b"x", channel=f"a{first}", dequeue_at=now + first),
+                NewMessage(b"y", channel=f"b{first}", dequeue_at=now + second),
+            ]
+        )
+        payloads = [(p["channel"], p["dequeue_at"]) for p in listener.payloads()]
+        soonest = f"a{first}" if first < second else f"b{first}"
+        assert payloads == [(soonest, now + 1_000)]
+
+
+def test_transaction_publishes_again_for_an_earlier_time(
+    dsn: str, equeue: Queue, listener: Listener
+) -> None:
+    now = equeue.now()
+    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+        equeue.create(b"a", channel="a", dequeue_at=now + 60_000, conn=conn)
+        equeue.create(b"b", channel="b", dequeue_at=now + 1_000, conn=conn)
+        equeue.create(b"c", channel="c", dequeue_at=now + 30_000, conn=conn)
+    # "b" is due before what was announced, so it is announced too; "c" is not.
     assert [(p["channel"], p["dequeue_at"]) for p in listener.payloads()] == [
         ("a", now + 60_000),
         ("b", now + 1_000),
     ]
-    # The other way round, the later one is not announced.
-    equeue.create_many(
-        [
-            NewMessage(b"c", channel="c", dequeue_at=now + 1_000),
-            NewMessage(b"d", channel="d", dequeue_at=now + 60_000),
-        ]
-    )
-    assert [(p["channel"], p["dequeue_at"]) for p in listener.payloads()] == [("c", now + 1_000)]
 
 
 def test_dequeue_and_heartbeat_publish_nothing(equeue: Queue, listener: Listener) -> None:

@@ -343,9 +343,12 @@ $$;
 
 
 -- message_create_many(): add messages; results come back in input order.
--- For each message: a live message of the same channel with the same dedup_key makes it
--- 'deduplicated' (the existing id is returned); a channel at its max_size makes it 'dropped'
--- (id NULL); otherwise it is 'created'. channel_size is the channel's size after the message.
+-- For each message: a live message of the same channel with the same dedup_key (or an earlier
+-- item of the batch with that key) makes it 'deduplicated' and returns that message's id; a
+-- channel at its max_size makes it 'dropped' (id NULL); otherwise it is 'created'. Ids are
+-- drawn in input order. channel_size is the channel's size once the message is counted.
+-- The work is set-based, whatever the batch size: one statement decides every item, one
+-- inserts, one updates the channels.
 -- Locks: each channel row touched, in channel-name order (so batches cannot deadlock).
 -- Raises: LQ003 (mismatched arrays, bad time or dedup key), LQ005, LQ006.
 CREATE FUNCTION message_create_many(
@@ -361,17 +364,15 @@ AS $$
 DECLARE
     v_now BIGINT := epoch();
     v_count INTEGER := cardinality(p_contents);
-    v_status TEXT[];
-    v_id BIGINT[];
+    v_names TEXT[];
+    v_before channel[];
     v_ids BIGINT[];
-    v_size BIGINT[];
-    v_item RECORD;
-    v_channel channel;
-    v_channel_name TEXT := NULL;
-    v_added BIGINT := 0;
-    v_min_at BIGINT;
-    v_new_id BIGINT;
-    v_min_new_id BIGINT;
+    v_kind TEXT[];
+    v_live BIGINT[];
+    v_first BIGINT[];
+    v_first_created BOOLEAN[];
+    v_sizes BIGINT[];
+    v_changed RECORD;
 BEGIN
     PERFORM arg_check(v_count IS NOT NULL, 'contents must not be NULL');
     PERFORM arg_check(v_count <= 100000,
@@ -386,107 +387,149 @@ BEGIN
                               t.dedup_key)
     FROM unnest(p_channels, p_contents, p_dequeue_ats, p_dedup_keys)
         AS t(channel, content, dequeue_at, dedup_key);
-
-    v_status := array_fill(NULL::TEXT, ARRAY[v_count]);
-    v_size := array_fill(NULL::BIGINT, ARRAY[v_count]);
-    -- Ids are drawn in input order (channels are then visited in name order to take their
-    -- locks), so a batch's messages are numbered as the caller listed them.
-    v_ids := ARRAY(SELECT nextval('message_id_seq')
-                   FROM generate_series(1, v_count));
-    v_id := array_fill(NULL::BIGINT, ARRAY[v_count]);
-
-    FOR v_item IN
-        SELECT coalesce(t.channel, 'default') AS channel, t.content,
-               coalesce(t.dequeue_at, v_now) AS dequeue_at, t.dedup_key, t.ord
-        FROM unnest(p_channels, p_contents, p_dequeue_ats, p_dedup_keys)
-            WITH ORDINALITY AS t(channel, content, dequeue_at, dedup_key, ord)
-        ORDER BY 1, t.ord
-    LOOP
-        IF v_channel_name IS DISTINCT FROM v_item.channel THEN
-            IF v_channel_name IS NOT NULL THEN
-                PERFORM message_create_settle(v_channel, v_added, v_min_at, v_min_new_id);
-            END IF;
-            v_channel := channel_lock(v_item.channel);
-            v_channel_name := v_item.channel;
-            v_added := 0;
-            v_min_at := NULL;
-            v_min_new_id := NULL;
-        END IF;
-
-        v_new_id := NULL;
-        IF v_item.dedup_key IS NOT NULL THEN
-            SELECT m.id INTO v_new_id FROM message m
-            WHERE m.channel = v_item.channel AND m.dedup_key = v_item.dedup_key;
-        END IF;
-
-        IF v_new_id IS NOT NULL THEN
-            v_status[v_item.ord] := 'deduplicated';
-            v_id[v_item.ord] := v_new_id;
-        ELSIF v_channel.max_size IS NOT NULL
-            AND v_channel.current_size + v_added >= v_channel.max_size
-        THEN
-            v_status[v_item.ord] := 'dropped';
-        ELSE
-            v_new_id := v_ids[v_item.ord];
-            INSERT INTO message (id, channel, content, dequeue_at, dedup_key, created_at)
-            VALUES (v_new_id, v_item.channel, v_item.content, v_item.dequeue_at,
-                    v_item.dedup_key, v_now);
-            v_status[v_item.ord] := 'created';
-            v_id[v_item.ord] := v_new_id;
-            v_added := v_added + 1;
-            IF v_min_at IS NULL OR v_item.dequeue_at < v_min_at THEN
-                v_min_at := v_item.dequeue_at;
-                v_min_new_id := v_new_id;
-            END IF;
-        END IF;
-        v_size[v_item.ord] := v_channel.current_size + v_added;
-    END LOOP;
-    IF v_channel_name IS NOT NULL THEN
-        PERFORM message_create_settle(v_channel, v_added, v_min_at, v_min_new_id);
+    IF v_count = 0 THEN
+        RETURN;
     END IF;
 
+    -- Lock the channels (creating missing rows), in name order.
+    v_names := ARRAY(
+        SELECT DISTINCT coalesce(t.channel, 'default')
+        FROM unnest(p_channels, p_contents) AS t(channel, content)
+        ORDER BY 1);
+    INSERT INTO channel (name) SELECT n FROM unnest(v_names) AS n ORDER BY n
+    ON CONFLICT (name) DO NOTHING;
+    v_before := ARRAY(
+        SELECT c FROM channel c WHERE c.name = ANY (v_names) ORDER BY c.name FOR UPDATE);
+
+    -- Ids for every item, in input order (those not created leave gaps, as sequences do).
+    v_ids := ARRAY(SELECT nextval('message_id_seq') FROM generate_series(1, v_count));
+
+    -- Decide every item: deduplicated on a live message ('live') or on an earlier item of
+    -- the batch ('batch'); otherwise new, and created while its channel has room.
+    WITH item AS (
+        SELECT t.ord, coalesce(t.channel, 'default') AS channel, t.dedup_key, m.id AS live_id
+        FROM unnest(p_channels, p_contents, p_dedup_keys)
+            WITH ORDINALITY AS t(channel, content, dedup_key, ord)
+        LEFT JOIN message m ON t.dedup_key IS NOT NULL
+            AND m.channel = coalesce(t.channel, 'default') AND m.dedup_key = t.dedup_key
+    ), flagged AS (
+        SELECT i.*,
+               CASE WHEN i.dedup_key IS NULL THEN i.ord
+                    ELSE min(i.ord) OVER (PARTITION BY i.channel, i.dedup_key) END AS first_ord
+        FROM item i
+    ), counted AS (
+        SELECT f.*, f.live_id IS NULL AND f.first_ord = f.ord AS is_new,
+               count(*) FILTER (WHERE f.live_id IS NULL AND f.first_ord = f.ord)
+                   OVER (PARTITION BY f.channel ORDER BY f.ord) AS new_so_far
+        FROM flagged f
+    ), placed AS (
+        SELECT c.*, b.current_size,
+               c.is_new AND (b.max_size IS NULL OR b.current_size + c.new_so_far <= b.max_size)
+                   AS created
+        FROM counted c JOIN unnest(v_before) AS b ON b.name = c.channel
+    ), sized AS (
+        SELECT p.*,
+               p.current_size + count(*) FILTER (WHERE p.created)
+                   OVER (PARTITION BY p.channel ORDER BY p.ord) AS size_after,
+               bool_or(p.created) FILTER (WHERE p.ord = p.first_ord)
+                   OVER (PARTITION BY p.channel, p.first_ord) AS first_created
+        FROM placed p
+    )
+    SELECT array_agg(CASE WHEN s.created THEN 'created'
+                          WHEN s.live_id IS NOT NULL THEN 'live'
+                          WHEN s.is_new THEN 'dropped'
+                          ELSE 'batch' END ORDER BY s.ord),
+           array_agg(s.live_id ORDER BY s.ord),
+           array_agg(s.first_ord ORDER BY s.ord),
+           array_agg(coalesce(s.first_created, FALSE) ORDER BY s.ord),
+           array_agg(s.size_after ORDER BY s.ord)
+    INTO v_kind, v_live, v_first, v_first_created, v_sizes
+    FROM sized s;
+
+    INSERT INTO message (id, channel, content, dequeue_at, dedup_key, created_at)
+    SELECT t.id, coalesce(t.channel, 'default'), t.content, coalesce(t.dequeue_at, v_now),
+           t.dedup_key, v_now
+    FROM unnest(v_ids, p_channels, p_contents, p_dequeue_ats, p_dedup_keys, v_kind)
+        AS t(id, channel, content, dequeue_at, dedup_key, kind)
+    WHERE t.kind = 'created';
+
+    -- Count the new messages and bring each channel's next dequeue time forward to its
+    -- earliest new message (respecting the release interval); announce what got sooner.
+    FOR v_changed IN
+        WITH added AS (
+            SELECT coalesce(t.channel, 'default') AS channel, count(*) AS n,
+                   min(coalesce(t.dequeue_at, v_now)) AS min_at,
+                   min(t.id) AS first_id
+            FROM unnest(v_ids, p_channels, p_dequeue_ats, v_kind)
+                AS t(id, channel, dequeue_at, kind)
+            WHERE t.kind = 'created'
+            GROUP BY 1
+        ), updated AS (
+            UPDATE channel c SET
+                current_size = c.current_size + a.n,
+                next_dequeue_at = least(c.next_dequeue_at, greatest(a.min_at,
+                    c.last_dequeue_at + coalesce(c.release_interval_ms, 0)))
+            FROM added a
+            WHERE c.name = a.channel
+            RETURNING c.name, c.next_dequeue_at, c.current_concurrency, c.max_concurrency,
+                      a.first_id
+        )
+        SELECT u.name, u.first_id,
+               channel_servable_at(b.next_dequeue_at, b.current_concurrency,
+                   b.max_concurrency) AS before_at,
+               channel_servable_at(u.next_dequeue_at, u.current_concurrency,
+                   u.max_concurrency) AS after_at
+        FROM updated u JOIN unnest(v_before) AS b ON b.name = u.name
+        -- Soonest first: one announcement then covers the batch.
+        ORDER BY after_at NULLS LAST
+    LOOP
+        PERFORM channel_announce(v_changed.before_at, v_changed.after_at, 'created',
+            v_changed.first_id, v_changed.name);
+    END LOOP;
+
+    -- Leave no empty policy-free row behind (a channel all of whose items were refused).
+    DELETE FROM channel c
+    WHERE c.name = ANY (v_names) AND c.current_size = 0 AND NOT c.has_policy;
+
     RETURN QUERY
-        SELECT s.status, s.id, s.size
-        FROM unnest(v_status, v_id, v_size) AS s(status, id, size);
+        SELECT CASE r.kind WHEN 'created' THEN 'created'
+                           WHEN 'live' THEN 'deduplicated'
+                           WHEN 'dropped' THEN 'dropped'
+                           ELSE CASE WHEN r.first_created THEN 'deduplicated' ELSE 'dropped' END
+               END,
+               CASE r.kind WHEN 'created' THEN r.id
+                           WHEN 'live' THEN r.live
+                           WHEN 'batch' THEN CASE WHEN r.first_created THEN v_ids[r.first] END
+               END,
+               r.size
+        FROM unnest(v_kind, v_ids, v_live, v_first, v_first_created, v_sizes)
+            AS r(kind, id, live, first, first_created, size);
 END;
 $$;
 
--- message_create_settle(): after adding p_added messages to a locked channel, count them and
--- bring its next dequeue time forward to the earliest new message when that is sooner.
-CREATE FUNCTION message_create_settle(
-    p_channel channel, p_added BIGINT, p_min_at BIGINT, p_min_id BIGINT
-) RETURNS VOID
+-- message_create_settle(): a message due at p_at was added to a locked channel: count it and
+-- bring the channel's next dequeue time forward when the message makes it sooner (announcing
+-- that, since a worker may be waiting for it).
+CREATE FUNCTION message_create_settle(p_channel channel, p_at BIGINT, p_id BIGINT)
+RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 DECLARE
-    v_next_at BIGINT := p_channel.next_dequeue_at;
-    v_candidate BIGINT;
+    v_next_at BIGINT := least(p_channel.next_dequeue_at, greatest(p_at,
+        p_channel.last_dequeue_at + coalesce(p_channel.release_interval_ms, 0)));
 BEGIN
-    IF p_added = 0 THEN
-        IF p_channel.current_size = 0 AND NOT p_channel.has_policy THEN
-            -- Every message was dropped or deduplicated: leave no empty row behind.
-            DELETE FROM channel c WHERE c.name = p_channel.name;
-        END IF;
-        RETURN;
-    END IF;
-    v_candidate := greatest(p_min_at,
-        p_channel.last_dequeue_at + coalesce(p_channel.release_interval_ms, 0));
-    IF v_next_at IS NULL OR v_candidate < v_next_at THEN
-        v_next_at := v_candidate;
-    END IF;
     UPDATE channel c SET
-        current_size = c.current_size + p_added,
+        current_size = c.current_size + 1,
         next_dequeue_at = v_next_at
     WHERE c.name = p_channel.name;
     PERFORM channel_announce(
         channel_servable_at(p_channel.next_dequeue_at, p_channel.current_concurrency,
             p_channel.max_concurrency),
         channel_servable_at(v_next_at, p_channel.current_concurrency, p_channel.max_concurrency),
-        'created', p_min_id, p_channel.name);
+        'created', p_id, p_channel.name);
 END;
 $$;
-
 -- message_create(): add one message; see message_create_many for the outcomes. This is the
 -- hottest path, so the single-message form is written out: lock the channel row, insert,
 -- update the row.
@@ -529,7 +572,7 @@ BEGIN
     INSERT INTO message (channel, content, dequeue_at, dedup_key, created_at)
     VALUES (v_name, p_content, v_at, p_dedup_key, v_now)
     RETURNING message.id INTO v_id;
-    PERFORM message_create_settle(v_channel, 1, v_at, v_id);
+    PERFORM message_create_settle(v_channel, v_at, v_id);
     status := 'created'; id := v_id; channel_size := v_channel.current_size + 1;
     RETURN NEXT;
 END;
