@@ -590,7 +590,10 @@ $$;
 -- the earliest lock expiry (an expired lock makes its message available again). It is NULL
 -- only when nothing is waiting in a servable channel and nothing is locked; a saturated
 -- channel becomes servable when one of its messages finishes, which publishes an event.
--- Locks: rows it returns and the channel rows it serves; never waits (SKIP LOCKED).
+-- Locks: rows it returns and the channel rows it serves. It skips rows other sessions hold
+-- (SKIP LOCKED), except that a call which found nothing and holds nothing waits once for a
+-- servable channel that another session is serving, so that it never reports an empty queue
+-- while messages are ready.
 -- Raises: LQ003 (bad limit or lock_ms).
 CREATE FUNCTION message_dequeue_many(p_limit INTEGER, p_lock_ms BIGINT)
 RETURNS TABLE (
@@ -611,6 +614,7 @@ DECLARE
     v_retry_at BIGINT;
     v_recover BOOLEAN := TRUE;
     v_found BOOLEAN;
+    v_waited BOOLEAN := FALSE;
 BEGIN
     PERFORM arg_check(p_limit BETWEEN 1 AND 10000,
         format('limit must be between 1 and 10000, got %s', coalesce(p_limit::TEXT, 'NULL')));
@@ -645,7 +649,33 @@ BEGIN
             ORDER BY c.next_dequeue_at, c.turn
             LIMIT 1
             FOR UPDATE SKIP LOCKED;
-            EXIT WHEN NOT FOUND;
+            IF NOT FOUND THEN
+                -- Every servable channel is being served by another session (or none is
+                -- servable). Rather than answer "empty" while messages are ready, wait once
+                -- for the first such channel, but only while holding nothing: a session that
+                -- holds no lock cannot be part of a deadlock.
+                EXIT WHEN v_taken > 0 OR v_waited;
+                v_waited := TRUE;
+                SELECT c.name INTO v_channel.name FROM channel c
+                WHERE c.next_dequeue_at IS NOT NULL
+                  AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+                  AND c.next_dequeue_at <= v_now
+                ORDER BY c.next_dequeue_at, c.turn
+                LIMIT 1;
+                EXIT WHEN NOT FOUND;
+                -- The other session pushed the channel back to its own clock, which may be
+                -- ahead of ours: judge it by the release interval and the head (which must be
+                -- due by our clock, below) instead.
+                SELECT * INTO v_channel FROM channel c
+                WHERE c.name = v_channel.name
+                  AND c.next_dequeue_at IS NOT NULL
+                  AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+                  AND (coalesce(c.release_interval_ms, 0) = 0
+                       OR c.last_dequeue_at + c.release_interval_ms <= v_now)
+                FOR UPDATE;
+                -- Served in the meantime and no longer servable: look again.
+                CONTINUE WHEN NOT FOUND;
+            END IF;
 
             UPDATE message m SET
                 is_locked = TRUE,
