@@ -30,6 +30,7 @@ WORDS = [
     ("AsyncChannel", "Channel"),
     ("AsyncMessage", "Message"),
     ("AsyncIterator", "Iterator"),
+    ("asynccontextmanager", "contextmanager"),
     ("__aenter__", "__enter__"),
     ("__aexit__", "__exit__"),
     ("asyncio.Lock", "threading.Lock"),

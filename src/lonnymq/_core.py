@@ -214,6 +214,15 @@ def priority_to_dequeue_at(priority: object, dequeue_at: object) -> object:
     return priority
 
 
+def check_error_text(error: object) -> str:
+    """An error description for the archive: text, cut to 64 KiB."""
+    if not isinstance(error, str):
+        raise InvalidArgumentError(f"error must be a str, got {type(error).__name__}")
+    text = error.replace("\x00", "\ufffd")
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    return text[:65536]
+
+
 def check_event_channel(value: object) -> str | None:
     if value is None:
         return None

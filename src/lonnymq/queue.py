@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 from types import TracebackType
@@ -57,6 +58,10 @@ class Message:
     def delete(self, *, conn: Connection[Any] | None = None) -> None:
         """Finish the message (it is done) and free its channel slot."""
         self.queue.delete(self, conn=conn)
+
+    def fail(self, *, error: str, conn: Connection[Any] | None = None) -> None:
+        """Finish the message as failed (archived with ``error`` when the archive is on)."""
+        self.queue.fail(self, error=error, conn=conn)
 
     def defer(
         self,
@@ -266,6 +271,17 @@ class Queue:
         finally:
             self._recorder.record(name, perf_counter() - started, ok=ok)
 
+    @contextmanager
+    def transaction(self) -> Iterator[Connection[Any]]:
+        """A pooled connection inside a transaction, committed when the block ends (rolled
+        back on error): pass it as ``conn=`` to make several operations atomic."""
+        pool = self._get_pool()
+        try:
+            with pool.connection() as pooled, pooled.transaction():
+                yield pooled
+        except psycopg.Error as err:
+            raise translate(err, schema=self._schema) from err
+
     def operation_stats(self) -> list[OperationStats]:
         """Calls, errors and time spent per SQL operation since this queue was opened."""
         return self._recorder.snapshot()
@@ -428,6 +444,18 @@ class Queue:
         """Finish a message you hold and free its channel slot."""
         message_id, attempts = _core.check_claim(message.id, message.num_attempts)
         params = {"id": message_id, "num_attempts": attempts, "outcome": "completed", "error": None}
+        self._fetch("message_delete", params, conn)
+
+    def fail(self, message: Message, *, error: str, conn: Connection[Any] | None = None) -> None:
+        """Finish a message you hold as failed: it leaves the queue (and is archived with
+        outcome ``failed`` and ``error`` when the archive is on)."""
+        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        params = {
+            "id": message_id,
+            "num_attempts": attempts,
+            "outcome": "failed",
+            "error": _core.check_error_text(error),
+        }
         self._fetch("message_delete", params, conn)
 
     def defer(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
 from types import TracebackType
@@ -56,6 +57,10 @@ class AsyncMessage:
     async def delete(self, *, conn: AsyncConnection[Any] | None = None) -> None:
         """Finish the message (it is done) and free its channel slot."""
         await self.queue.delete(self, conn=conn)
+
+    async def fail(self, *, error: str, conn: AsyncConnection[Any] | None = None) -> None:
+        """Finish the message as failed (archived with ``error`` when the archive is on)."""
+        await self.queue.fail(self, error=error, conn=conn)
 
     async def defer(
         self,
@@ -267,6 +272,17 @@ class AsyncQueue:
         finally:
             self._recorder.record(name, perf_counter() - started, ok=ok)
 
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection[Any]]:
+        """A pooled connection inside a transaction, committed when the block ends (rolled
+        back on error): pass it as ``conn=`` to make several operations atomic."""
+        pool = await self._get_pool()
+        try:
+            async with pool.connection() as pooled, pooled.transaction():
+                yield pooled
+        except psycopg.Error as err:
+            raise translate(err, schema=self._schema) from err
+
     def operation_stats(self) -> list[OperationStats]:
         """Calls, errors and time spent per SQL operation since this queue was opened."""
         return self._recorder.snapshot()
@@ -435,6 +451,20 @@ class AsyncQueue:
         """Finish a message you hold and free its channel slot."""
         message_id, attempts = _core.check_claim(message.id, message.num_attempts)
         params = {"id": message_id, "num_attempts": attempts, "outcome": "completed", "error": None}
+        await self._fetch("message_delete", params, conn)
+
+    async def fail(
+        self, message: AsyncMessage, *, error: str, conn: AsyncConnection[Any] | None = None
+    ) -> None:
+        """Finish a message you hold as failed: it leaves the queue (and is archived with
+        outcome ``failed`` and ``error`` when the archive is on)."""
+        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        params = {
+            "id": message_id,
+            "num_attempts": attempts,
+            "outcome": "failed",
+            "error": _core.check_error_text(error),
+        }
         await self._fetch("message_delete", params, conn)
 
     async def defer(

@@ -1,0 +1,248 @@
+"""The Worker against a real PostgreSQL: policies, retries, failure, heartbeats, signals."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from lonnymq import Message, NewMessage, Queue
+from lonnymq.worker import Backoff, Worker
+
+
+def _archive(admin: psycopg.Connection[Any], schema: str) -> list[tuple[Any, ...]]:
+    query = sql.SQL(
+        "SELECT id, channel, outcome, error, num_attempts FROM {}.archive ORDER BY id"
+    ).format(sql.Identifier(schema))
+    return admin.execute(query).fetchall()
+
+
+def _locked(admin: psycopg.Connection[Any], schema: str) -> int:
+    query = sql.SQL("SELECT count(*) FROM {}.message WHERE is_locked").format(
+        sql.Identifier(schema)
+    )
+    row = admin.execute(query).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_worker_drains_channels_within_their_limits(make_queue: Callable[..., Queue]) -> None:
+    queue = make_queue(archive=True, pool_size=8)
+    queue.channel("one-at-a-time").set_policy(max_concurrency=1)
+    queue.channel("two-at-a-time").set_policy(max_concurrency=2)
+    channels = ["one-at-a-time", "two-at-a-time", "free-a", "free-b"]
+    queue.create_many(
+        [NewMessage(f"{c}-{i}".encode(), channel=c) for i in range(30) for c in channels]
+    )
+    lock = threading.Lock()
+    running: Counter[str] = Counter()
+    peak: Counter[str] = Counter()
+    seen: Counter[int] = Counter()
+
+    def handler(message: Message) -> None:
+        with lock:
+            running[message.channel] += 1
+            peak[message.channel] = max(peak[message.channel], running[message.channel])
+            seen[message.id] += 1
+        time.sleep(0.002)
+        with lock:
+            running[message.channel] -= 1
+
+    stats = Worker(queue, handler, concurrency=6, lock_ms=30_000).run(
+        handle_signals=False, until_idle=True
+    )
+    assert stats.completed == 120
+    assert len(seen) == 120
+    assert set(seen.values()) == {1}
+    assert peak["one-at-a-time"] == 1
+    assert peak["two-at-a-time"] <= 2
+    assert all(s.size == 0 for s in queue.stats())
+
+
+def test_failing_handler_is_retried_with_backoff_then_archived_as_failed(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    created = queue.create(b"doomed", channel="c")
+    attempts: list[tuple[int, float]] = []
+
+    def handler(message: Message) -> None:
+        attempts.append((message.num_attempts, time.monotonic()))
+        raise ValueError("boom")
+
+    backoff = Backoff(base_ms=50, max_ms=1_000, jitter=False)
+    stats = Worker(queue, handler, max_attempts=3, backoff=backoff).run(
+        handle_signals=False, until_idle=True
+    )
+    assert [n for n, _ in attempts] == [1, 2, 3]
+    # Backoff: 50 ms after the first failure, 100 ms after the second.
+    gaps = [b - a for (_, a), (_, b) in itertools.pairwise(attempts)]
+    assert gaps[0] >= 0.045
+    assert gaps[1] >= 0.095
+    assert (stats.retried, stats.failed) == (2, 1)
+    [(message_id, channel, outcome, error, num_attempts)] = _archive(admin, schema_name)
+    assert (message_id, channel, outcome, num_attempts) == (created.id, "c", "failed", 3)
+    assert "ValueError: boom" in error
+    assert queue.stats() == []
+
+
+def test_exhausted_message_goes_to_the_dead_letter_channel(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.create(b"poison", channel="work")
+
+    def handler(message: Message) -> None:
+        if message.channel == "work":
+            raise RuntimeError("cannot")
+
+    worker = Worker(queue, handler, max_attempts=1, dead_letter_channel="dead")
+    seen: list[str] = []
+    original = worker.handler
+
+    def recording(message: Message) -> object:
+        seen.append(message.channel)
+        return original(message)
+
+    worker.handler = recording
+    stats = worker.run(handle_signals=False, until_idle=True)
+    # The dead-lettered copy was itself processed (the handler accepts "dead" messages).
+    assert seen == ["work", "dead"]
+    assert (stats.dead_lettered, stats.completed) == (1, 1)
+    outcomes = [(row[1], row[2]) for row in _archive(admin, schema_name)]
+    assert outcomes == [("work", "failed"), ("dead", "completed")]
+
+
+def test_long_handler_keeps_its_lock_through_heartbeats(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.create(b"slow")
+    runs: list[int] = []
+
+    def handler(message: Message) -> None:
+        runs.append(message.num_attempts)
+        time.sleep(1.5)  # three lock lengths
+
+    other = make_queue(install=False)
+    stolen: list[Message | None] = []
+
+    def thief() -> None:
+        time.sleep(1.0)
+        stolen.append(other.dequeue(lock_ms=1_000))
+
+    thread = threading.Thread(target=thief)
+    thread.start()
+    stats = Worker(queue, handler, lock_ms=500, heartbeat_ms=150).run(
+        handle_signals=False, until_idle=True
+    )
+    thread.join()
+    assert stolen == [None]  # the lock never expired, so nobody else got the message
+    assert runs == [1]
+    assert (stats.completed, stats.lost) == (1, 0)
+    assert [row[4] for row in _archive(admin, schema_name)] == [1]
+
+
+WORKER_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from lonnymq import Queue
+    from lonnymq.worker import Worker
+
+    dsn, schema, nap = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    queue = Queue(dsn, schema=schema)
+    lock = threading.Lock()
+
+    def handler(message):
+        with lock:  # one whole line per start, whatever the threads do
+            sys.stdout.write(f"start {message.id}\\n")
+            sys.stdout.flush()
+        time.sleep(nap)
+
+    Worker(queue, handler, concurrency=2, lock_ms=2_000, grace_s=float(sys.argv[4])).run()
+    print("stopped", flush=True)
+    """
+)
+
+
+def _spawn_worker(dsn: str, schema: str, nap: float, grace: float) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER_SCRIPT, dsn, schema, str(nap), str(grace)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_starts(proc: subprocess.Popen[str], count: int) -> None:
+    assert proc.stdout is not None
+    started = 0
+    while started < count:
+        line = proc.stdout.readline()
+        assert line, f"worker exited early: {proc.stderr.read() if proc.stderr else ''}"
+        started += line.count("start")
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_running_work_and_leaves_no_lock(
+    dsn: str, make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.create_many([NewMessage(f"m{i}".encode()) for i in range(10)])
+    proc = _spawn_worker(dsn, schema_name, nap=0.3, grace=10.0)
+    _wait_for_starts(proc, 2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "stopped" in out
+    assert _locked(admin, schema_name) == 0
+    finished = len(_archive(admin, schema_name))
+    left = sum(s.size for s in queue.stats())
+    assert finished >= 2  # the running handlers were allowed to finish
+    assert finished + left == 10  # nothing lost
+
+
+@pytest.mark.slow
+def test_sigterm_gives_back_what_outlives_the_grace_period(
+    dsn: str, make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.create_many([NewMessage(f"m{i}".encode()) for i in range(4)])
+    proc = _spawn_worker(dsn, schema_name, nap=30.0, grace=0.2)
+    _wait_for_starts(proc, 2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert _locked(admin, schema_name) == 0
+    assert _archive(admin, schema_name) == []
+    assert sum(s.size for s in queue.stats()) == 4
+
+
+@pytest.mark.slow
+def test_sigkill_loses_nothing(
+    dsn: str, make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue()
+    queue.create_many([NewMessage(f"m{i}".encode()) for i in range(4)])
+    proc = _spawn_worker(dsn, schema_name, nap=30.0, grace=10.0)
+    _wait_for_starts(proc, 2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert _locked(admin, schema_name) == 2  # held by the dead worker until they expire
+    queue.set_clock_offset(5_000)  # past the 2 s locks
+    back = queue.dequeue_many(10, lock_ms=60_000)
+    attempts = sorted(m.num_attempts for m in back)
+    assert len(back) == 4
+    assert attempts == [1, 1, 2, 2]  # the two that were running count a new attempt
