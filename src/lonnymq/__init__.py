@@ -23,6 +23,7 @@ from .types import (
     DequeueBatch,
     NewMessage,
     Policy,
+    Settings,
 )
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __all__ = [
     "OperationStats",
     "Policy",
     "Queue",
+    "Settings",
     "StaleMessageError",
     "errors",
 ]

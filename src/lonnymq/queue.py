@@ -30,6 +30,7 @@ from .types import (
     CreateResult,
     DequeueBatch,
     NewMessage,
+    Settings,
 )
 
 __all__ = ["Channel", "Message", "Queue"]
@@ -338,6 +339,12 @@ class Queue:
             raise translate(err, schema=self._schema) from err
         finally:
             self._recorder.record("install", perf_counter() - started, ok=ok)
+
+    def settings(self, *, conn: Connection[Any] | None = None) -> Settings:
+        """The installation's settings (event channel, archive)."""
+        rows = self._fetch("config_get", {}, conn)
+        event_channel, archive = rows[0]
+        return Settings(event_channel=event_channel, archive=bool(archive))
 
     # -- operations ----------------------------------------------------------------------
 

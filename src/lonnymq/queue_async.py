@@ -29,6 +29,7 @@ from .types import (
     CreateResult,
     DequeueBatch,
     NewMessage,
+    Settings,
 )
 
 __all__ = ["AsyncChannel", "AsyncMessage", "AsyncQueue"]
@@ -341,6 +342,12 @@ class AsyncQueue:
             raise translate(err, schema=self._schema) from err
         finally:
             self._recorder.record("install", perf_counter() - started, ok=ok)
+
+    async def settings(self, *, conn: AsyncConnection[Any] | None = None) -> Settings:
+        """The installation's settings (event channel, archive)."""
+        rows = await self._fetch("config_get", {}, conn)
+        event_channel, archive = rows[0]
+        return Settings(event_channel=event_channel, archive=bool(archive))
 
     # -- operations ----------------------------------------------------------------------
 

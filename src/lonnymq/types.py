@@ -14,6 +14,7 @@ __all__ = [
     "DequeueBatch",
     "NewMessage",
     "Policy",
+    "Settings",
 ]
 
 M = TypeVar("M")
@@ -65,6 +66,15 @@ class CreateResult:
     status: CreateStatus
     id: int | None
     channel_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """An installation's settings: the NOTIFY channel for events (``None``: events off) and
+    whether finished messages are archived."""
+
+    event_channel: str | None
+    archive: bool
 
 
 @dataclass(frozen=True, slots=True)

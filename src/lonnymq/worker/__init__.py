@@ -313,15 +313,10 @@ class Worker:
 
     def _event_channel(self) -> str | None:
         try:
-            with psycopg.connect(self.queue.dsn, autocommit=True) as conn:
-                row = conn.execute(
-                    sql.SQL("SELECT event_channel FROM {}.config_get()").format(
-                        sql.Identifier(self.queue.schema)
-                    )
-                ).fetchone()
-        except psycopg.Error:
+            return self.queue.settings().event_channel
+        except LonnyMQError as err:
+            log.warning("could not read the queue's settings (%s): polling only", err)
             return None
-        return row[0] if row and row[0] else None
 
     def _listen(self, channel: str) -> None:
         """Wake the dequeue loop on every event of the queue's NOTIFY channel."""
