@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import psycopg
 
@@ -54,3 +55,90 @@ def test_demo_runs_and_checks_hold(dsn: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "All checks held." in result.stdout
     assert "Finished exactly once: yes" in result.stdout
+
+
+def _run_in(
+    dsn: str, schema: str, *args: str, stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lonnymq.cli", "--schema", schema, *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        env={**os.environ, "LONNYMQ_DSN": dsn, **(env or {})},
+        timeout=120,
+        check=False,
+    )
+
+
+def test_create_from_arguments_and_from_stdin(dsn: str, schema_name: str) -> None:
+    assert _run_in(dsn, schema_name, "install").returncode == 0
+    by_args = _run_in(dsn, schema_name, "create", "a", "b", "--channel", "x", "--json")
+    assert by_args.returncode == 0, by_args.stderr
+    results = [json.loads(line) for line in by_args.stdout.splitlines()]
+    assert [(r["status"], r["channel_size"]) for r in results] == [("created", 1), ("created", 2)]
+    # One message per non-empty stdin line; the channel comes from the environment twin.
+    by_stdin = _run_in(
+        dsn, schema_name, "create", stdin="one\n\ntwo\nthree\n", env={"LONNYMQ_CHANNEL": "y"}
+    )
+    assert by_stdin.returncode == 0, by_stdin.stderr
+    assert by_stdin.stdout.strip() == "3 created"
+    stats = _run_in(dsn, schema_name, "stats", "--json")
+    sizes = {r["channel"]: r["size"] for r in map(json.loads, stats.stdout.splitlines())}
+    assert sizes == {"x": 2, "y": 3}
+
+
+def test_create_refuses_contradictory_options(dsn: str, schema_name: str) -> None:
+    assert _run_in(dsn, schema_name, "install").returncode == 0
+    both = _run_in(dsn, schema_name, "create", "a", "--dequeue-at", "1", "--delay-ms", "5")
+    assert both.returncode == 1
+    assert "not both" in both.stderr
+    dedup = _run_in(dsn, schema_name, "create", "a", "b", "--dedup-key", "k")
+    assert dedup.returncode == 1
+    assert "exactly one message" in dedup.stderr
+
+
+def test_policy_set_show_clear(dsn: str, schema_name: str) -> None:
+    assert _run_in(dsn, schema_name, "install").returncode == 0
+    set_ = _run_in(
+        dsn,
+        schema_name,
+        "policy",
+        "set",
+        "p",
+        "--max-concurrency",
+        "2",
+        "--release-interval-ms",
+        "50",
+    )
+    assert set_.returncode == 0, set_.stderr
+    shown = _run_in(dsn, schema_name, "policy", "show", "--json")
+    assert [json.loads(line) for line in shown.stdout.splitlines()] == [
+        {"channel": "p", "max_concurrency": 2, "release_interval_ms": 50, "max_size": None}
+    ]
+    bad = _run_in(dsn, schema_name, "policy", "set", "p", "--max-size", "-1")
+    assert bad.returncode == 1
+    assert "InvalidPolicyError" in bad.stderr
+    assert _run_in(dsn, schema_name, "policy", "clear", "p").returncode == 0
+    assert _run_in(dsn, schema_name, "policy", "show").stdout == ""
+
+
+def test_worker_command_runs_a_handler_until_idle(
+    dsn: str, schema_name: str, tmp_path: Path
+) -> None:
+    (tmp_path / "cli_handlers.py").write_text(
+        "seen = []\n"
+        "def handle(message):\n"
+        "    if message.content == b'bad':\n"
+        "        raise ValueError('bad message')\n"
+    )
+    env = {"PYTHONPATH": str(tmp_path), "LONNYMQ_MAX_ATTEMPTS": "1"}
+    assert _run_in(dsn, schema_name, "install", "--archive").returncode == 0
+    assert _run_in(dsn, schema_name, "create", "ok1", "ok2", "bad").returncode == 0
+    worked = _run_in(dsn, schema_name, "worker", "cli_handlers:handle", "--until-idle", env=env)
+    assert worked.returncode == 0, worked.stderr
+    stats = json.loads(worked.stdout.splitlines()[-1])
+    assert (stats["completed"], stats["failed"]) == (2, 1)
+    missing = _run_in(dsn, schema_name, "worker", "cli_handlers:nope", env=env)
+    assert missing.returncode == 1
+    assert "cannot load handler" in missing.stderr
