@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="run the demo pipeline")
     demo.add_argument("--messages", type=int, default=2000, help="messages to create")
-    demo.add_argument("--workers", type=int, default=4, help="worker threads")
+    demo.add_argument("--workers", type=int, default=4, help="handlers running at once")
     return parser
 
 

@@ -2,8 +2,8 @@
 
 It installs a queue in the ``lonnymq_demo`` schema (dropped and recreated each run), creates
 messages for a few tenants (one much busier than the others), gives each tenant a policy,
-runs workers that fail some first attempts (deferring them with saved state), and prints what
-happened per channel: the policies held, and every message was finished exactly once.
+runs a Worker whose handler fails some first attempts (they are retried with backoff), and
+prints what happened per channel: the policies held, and every message was finished exactly once.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from psycopg import sql
 
 from .queue import Message, Queue
 from .types import CreateStatus, NewMessage
+from .worker import Backoff, Worker
 
 SCHEMA = "lonnymq_demo"
 LOCK_MS = 30_000
@@ -91,57 +92,41 @@ def run_demo(*, dsn: str | None, messages: int, workers: int) -> int:
         tallies: dict[str, Tally] = defaultdict(Tally)
         seen: Counter[int] = Counter()
         lock = threading.Lock()
-        stop = threading.Event()
+        fail_rng = random.Random(11)
 
-        def work() -> None:
-            work_rng = random.Random()
-            idle_since: float | None = None
-            while not stop.is_set():
-                batch = queue.dequeue_batch(8, lock_ms=LOCK_MS)
-                if not batch.messages:
-                    # Nothing ready: either the queue is drained, or every channel with work
-                    # is at its limit or rate until another worker finishes. Back off briefly
-                    # instead of polling (the Worker of a later release waits on NOTIFY).
-                    idle_since = idle_since or time.perf_counter()
-                    if batch.retry_at is None and all(c.size == 0 for c in queue.stats()):
-                        return
-                    if time.perf_counter() - idle_since > 10:
-                        return
-                    time.sleep(0.01)
-                    continue
-                idle_since = None
-                with lock:
-                    for m in batch.messages:
-                        t = tallies[m.channel]
-                        t.in_flight += 1
-                        t.max_in_flight = max(t.max_in_flight, t.in_flight)
-                time.sleep(0.001 * len(batch.messages))  # the "work"
-                done: list[Message] = []
-                for m in batch.messages:
+        def handle(message: Message) -> None:
+            with lock:
+                tally = tallies[message.channel]
+                tally.in_flight += 1
+                tally.max_in_flight = max(tally.max_in_flight, tally.in_flight)
+                fails = message.num_attempts == 1 and fail_rng.random() < 0.05
+            try:
+                time.sleep(0.001)  # the "work"
+                if fails:
                     with lock:
-                        tallies[m.channel].in_flight -= 1
-                    if m.num_attempts == 1 and work_rng.random() < 0.05:
-                        m.defer(state=b"retry-after-failure")
-                        with lock:
-                            tallies[m.channel].retried += 1
-                    else:
-                        done.append(m)
-                queue.delete_many(done)
-                with lock:
-                    for m in done:
-                        seen[m.id] += 1
-                        tallies[m.channel].finished += 1
+                        tally.retried += 1
+                    raise RuntimeError("simulated failure of a first attempt")
+            finally:
+                with lock:  # before the worker releases the message's slot
+                    tally.in_flight -= 1
+            with lock:
+                seen[message.id] += 1
+                tally.finished += 1
 
         started = time.perf_counter()
-        threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        worker = Worker(
+            queue,
+            handle,
+            concurrency=workers,
+            lock_ms=LOCK_MS,
+            max_attempts=3,
+            backoff=Backoff(base_ms=10, max_ms=100),
+        )
+        worker.run(handle_signals=False, until_idle=True)
         elapsed = time.perf_counter() - started
 
         print(
-            f"\n{workers} workers drained the queue in {elapsed:.2f}s "
+            f"\nA worker running {workers} handlers at once drained the queue in {elapsed:.2f}s "
             f"({sum(created.values()) / elapsed:.0f} msg/s)\n"
         )
         header = (
