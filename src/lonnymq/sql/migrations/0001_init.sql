@@ -590,10 +590,10 @@ $$;
 -- the earliest lock expiry (an expired lock makes its message available again). It is NULL
 -- only when nothing is waiting in a servable channel and nothing is locked; a saturated
 -- channel becomes servable when one of its messages finishes, which publishes an event.
--- Locks: rows it returns and the channel rows it serves. It skips rows other sessions hold
--- (SKIP LOCKED), except that a call which found nothing and holds nothing waits once for a
--- servable channel that another session is serving, so that it never reports an empty queue
--- while messages are ready.
+-- Locks: rows it returns and the channel rows it serves. It never blocks on a lock: it skips
+-- rows other sessions hold (SKIP LOCKED), and a call that found nothing polls (NOWAIT, for up
+-- to about 0.1 s) for a servable channel that another session is serving, so that it does not
+-- report an empty queue while messages are ready.
 -- Raises: LQ003 (bad limit or lock_ms).
 CREATE FUNCTION message_dequeue_many(p_limit INTEGER, p_lock_ms BIGINT)
 RETURNS TABLE (
@@ -651,9 +651,10 @@ BEGIN
             FOR UPDATE SKIP LOCKED;
             IF NOT FOUND THEN
                 -- Every servable channel is being served by another session (or none is
-                -- servable). Rather than answer "empty" while messages are ready, wait once
-                -- for the first such channel, but only while holding nothing: a session that
-                -- holds no lock cannot be part of a deadlock.
+                -- servable). Rather than answer "empty" while messages are ready, wait a
+                -- little for the first such channel, once per call. It polls with NOWAIT
+                -- instead of blocking: a SKIP LOCKED probe may keep locks on rows it did not
+                -- return, so this session may hold locks, and a blocking wait could deadlock.
                 EXIT WHEN v_taken > 0 OR v_waited;
                 v_waited := TRUE;
                 SELECT c.name INTO v_channel.name FROM channel c
@@ -663,18 +664,28 @@ BEGIN
                 ORDER BY c.next_dequeue_at, c.turn
                 LIMIT 1;
                 EXIT WHEN NOT FOUND;
-                -- The other session pushed the channel back to its own clock, which may be
-                -- ahead of ours: judge it by the release interval and the head (which must be
-                -- due by our clock, below) instead.
-                SELECT * INTO v_channel FROM channel c
-                WHERE c.name = v_channel.name
-                  AND c.next_dequeue_at IS NOT NULL
-                  AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
-                  AND (coalesce(c.release_interval_ms, 0) = 0
-                       OR c.last_dequeue_at + c.release_interval_ms <= v_now)
-                FOR UPDATE;
-                -- Served in the meantime and no longer servable: look again.
-                CONTINUE WHEN NOT FOUND;
+                v_found := FALSE;
+                FOR v_try IN 1..200 LOOP
+                    BEGIN
+                        -- The other session pushed the channel back to its own clock, which
+                        -- may be ahead of ours: judge it by the release interval and the head
+                        -- (which must be due by our clock, below) instead.
+                        SELECT * INTO v_channel FROM channel c
+                        WHERE c.name = v_channel.name
+                          AND c.next_dequeue_at IS NOT NULL
+                          AND (c.max_concurrency IS NULL
+                               OR c.current_concurrency < c.max_concurrency)
+                          AND (coalesce(c.release_interval_ms, 0) = 0
+                               OR c.last_dequeue_at + c.release_interval_ms <= v_now)
+                        FOR UPDATE NOWAIT;
+                        v_found := FOUND;
+                        EXIT;
+                    EXCEPTION WHEN lock_not_available THEN
+                        PERFORM pg_sleep(0.0005);
+                    END;
+                END LOOP;
+                -- Served in the meantime and no longer servable, or still busy: look again.
+                CONTINUE WHEN NOT v_found;
             END IF;
 
             UPDATE message m SET
