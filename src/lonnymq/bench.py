@@ -401,8 +401,13 @@ def _fill_saturated(conn: psycopg.Connection[Any], size: int) -> None:
 # -- report --------------------------------------------------------------------------------
 
 
+def _raw_medians(results: list[Result]) -> dict[tuple[str, int], float]:
+    """The raw queue's median per (shape, batch): what each ratio divides by."""
+    return {(r.shape, r.batch): r.median for r in results if r.queue == "raw"}
+
+
 def _table(results: list[Result]) -> str:
-    raw = {(r.shape, r.batch): r.median for r in results if r.queue == "raw"}
+    raw = _raw_medians(results)
     lines = [
         f"{'shape':<8} {'batch':>5}  {'queue':<22} {'msg/s (median)':>14} {'min-max':>19} "
         f"{'x raw':>6}",
@@ -426,7 +431,7 @@ def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> li
     except ImportError:
         return []
     written = []
-    raw = {(r.shape, r.batch): r.median for r in results if r.queue == "raw"}
+    raw = _raw_medians(results)
     rows = [r for r in results if r.queue != "raw" and raw.get((r.shape, r.batch))]
     fig, ax = plt.subplots(figsize=(11, 5))
     ratios = [r.median / raw[(r.shape, r.batch)] for r in rows]
@@ -438,11 +443,7 @@ def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> li
     ax.set_ylabel("throughput / raw queue's (median, log scale)")
     ax.set_title("lonnymq against the raw SKIP LOCKED queue, same server, same run")
     ax.legend()
-    fig.tight_layout()
-    path = out / "throughput.png"
-    fig.savefig(path, dpi=120)
-    written.append(path)
-    plt.close(fig)
+    written.append(_save(fig, out / "throughput.png"))
 
     backlog = [row for row in latency if row["shape"].startswith("backlog")]
     if backlog:
@@ -453,12 +454,17 @@ def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> li
         ax.set_xlabel("backlog (messages)")
         ax.set_ylabel("dequeue latency (ms)")
         ax.legend()
-        fig.tight_layout()
-        path = out / "dequeue_latency.png"
-        fig.savefig(path, dpi=120)
-        written.append(path)
-        plt.close(fig)
+        written.append(_save(fig, out / "dequeue_latency.png"))
     return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def run_bench(
