@@ -39,13 +39,23 @@ def admin(dsn: str) -> Iterator[psycopg.Connection[Any]]:
         yield conn
 
 
-@pytest.fixture
-def schema_name(dsn: str) -> Iterator[str]:
-    """A schema name no other test uses; the schema is dropped afterwards."""
+def _fresh_schema(dsn: str) -> Iterator[str]:
     name = f"t_{uuid.uuid4().hex[:16]}"
     yield name
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def schema_name(dsn: str) -> Iterator[str]:
+    """A schema name no other test uses; the schema is dropped afterwards."""
+    yield from _fresh_schema(dsn)
+
+
+@pytest.fixture
+def other_schema(dsn: str) -> Iterator[str]:
+    """A second fresh schema name, dropped afterwards."""
+    yield from _fresh_schema(dsn)
 
 
 @pytest.fixture

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -16,15 +15,6 @@ from lonnymq import CreateStatus, Queue
 from lonnymq.migrate import latest_version
 
 LOCK_MS = 60_000
-
-
-@pytest.fixture
-def other_schema(dsn: str) -> Iterator[str]:
-    """A second fresh schema name, dropped afterwards."""
-    name = f"t_{uuid.uuid4().hex[:16]}"
-    yield name
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
 
 
 def archive_rows(admin: psycopg.Connection[Any], schema: str) -> list[tuple[Any, ...]]:
