@@ -426,6 +426,38 @@ class AsyncQueue:
             return DequeueBatch(messages=[], retry_at=rows[0][7])
         return DequeueBatch(messages=[self._message(row) for row in rows], retry_at=None)
 
+    async def complete_and_dequeue(
+        self,
+        done: Sequence[AsyncMessage],
+        limit: int = 1,
+        *,
+        lock_ms: int,
+        conn: AsyncConnection[Any] | None = None,
+    ) -> DequeueBatch[AsyncMessage]:
+        """Finish the messages you hold in ``done`` and lock up to ``limit`` new ones, in one
+        transaction: a worker's steady state then costs one commit per cycle instead of two.
+
+        ``completed`` of the result has one status per message of ``done`` (a lost lock is
+        ``stale`` and left alone, as in :meth:`delete_many`); the rest is as
+        :meth:`dequeue_batch`.
+        """
+        claims = _core.check_claims(done)
+        params = {
+            "ids": [c[0] for c in claims],
+            "num_attempts": [c[1] for c in claims],
+            "limit": _core.check_limit(limit),
+            "lock_ms": _core.check_lock_ms(lock_ms),
+        }
+        rows = await self._fetch("message_complete_and_dequeue", params, conn)
+        completed = [row for row in rows if row[1] not in ("locked", "empty")]
+        taken = [row[:1] + row[2:] for row in rows if row[1] == "locked"]
+        empty = [row for row in rows if row[1] == "empty"]
+        return DequeueBatch(
+            messages=[self._message(row) for row in taken],
+            retry_at=empty[0][8] if empty else None,
+            completed=_core.ack_statuses(completed),
+        )
+
     def _message(self, row: Row) -> AsyncMessage:
         message_id, channel, content, state, num_attempts, dequeue_at, unlock_at, _ = row
         return AsyncMessage(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
 
@@ -60,12 +60,15 @@ class CreateResult:
     """The result of creating one message.
 
     ``id`` is the new message's id (or, when deduplicated, the live one's; ``None`` when
-    dropped). ``channel_size`` is the number of messages the channel holds afterwards.
+    dropped). ``channel_size`` is the number of messages the channel holds afterwards, for
+    a channel with a policy (its counters are exact); ``None`` for a channel without one,
+    which keeps no counter so that creating in it costs no channel-row write
+    (``stats()`` counts those).
     """
 
     status: CreateStatus
     id: int | None
-    channel_size: int
+    channel_size: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +112,10 @@ class DequeueBatch(Generic[M]):
     ``retry_at`` (ms, database clock) is set only when ``messages`` is empty: the earliest
     time a message may become available (a waiting message falls due, or a lock expires). It
     is ``None`` when no servable channel has anything waiting and no message is locked.
+    ``completed`` holds, for ``complete_and_dequeue``, one status per message it finished
+    first, in order.
     """
 
     messages: list[M]
     retry_at: int | None
+    completed: list[AckStatus] = field(default_factory=list)

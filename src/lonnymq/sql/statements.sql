@@ -24,6 +24,14 @@ FROM {schema}.message_dequeue_many(
     p_limit => %(limit)s::integer,
     p_lock_ms => %(lock_ms)s::bigint)
 
+-- name: message_complete_and_dequeue
+SELECT id, status, channel, content, state, num_attempts, dequeue_at, unlock_at, retry_at
+FROM {schema}.message_complete_and_dequeue(
+    p_ids => %(ids)s::bigint[],
+    p_num_attempts => %(num_attempts)s::integer[],
+    p_limit => %(limit)s::integer,
+    p_lock_ms => %(lock_ms)s::bigint)
+
 -- name: message_heartbeat
 SELECT {schema}.message_heartbeat(
     p_id => %(id)s::bigint,
