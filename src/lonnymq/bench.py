@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -55,13 +56,24 @@ class Profile:
     prefill: int
     backlogs: tuple[int, ...]
     probes: int
+    wakeups: int
+    worker_messages: int
 
 
 PROFILES = {
     "default": Profile(
-        "default", 5, 3, 8, (1, 100, 100_000), 100_000, (10**3, 10**4, 10**5, 10**6), 300
+        "default",
+        5,
+        3,
+        8,
+        (1, 100, 100_000),
+        100_000,
+        (10**3, 10**4, 10**5, 10**6),
+        300,
+        200,
+        20_000,
     ),
-    "quick": Profile("quick", 1, 1, 4, (1, 100, 1_000), 5_000, (10**3, 10**4), 50),
+    "quick": Profile("quick", 1, 1, 4, (1, 100, 1_000), 5_000, (10**3, 10**4), 50, 20, 1_000),
 }
 
 
@@ -112,20 +124,29 @@ SCRIPTS = {
         f"FROM generate_series(1, {BATCH})), "
         f"array_fill('\\x00'::bytea, ARRAY[{BATCH}]), NULL, NULL);\n"
     ),
-    # Durable: lock in one transaction, finish in another (what a worker does).
+    # Durable, as a worker runs: each call finishes the message(s) the previous call locked
+    # and locks the next, in one transaction (complete_and_dequeue). :id/:na and :ids/:nas
+    # carry the held messages from one call to the next (0 and {{}} to start).
     ("lonnymq", "take", 1): (
+        "SELECT coalesce(max(id) FILTER (WHERE status = 'locked'), 0) AS id, "
+        "coalesce(max(num_attempts) FILTER (WHERE status = 'locked'), 0) AS na "
+        "FROM {s}.message_complete_and_dequeue("
+        "CASE WHEN :id = 0 THEN '{{}}' ELSE ARRAY[:id] END::bigint[], "
+        "CASE WHEN :id = 0 THEN '{{}}' ELSE ARRAY[:na] END::int[], "
+        f"1, {LOCK_MS}) \\gset\n"
+    ),
+    ("lonnymq", "take", BATCH): (
+        "SELECT coalesce(array_agg(id) FILTER (WHERE status = 'locked'), '{{}}') AS ids, "
+        "coalesce(array_agg(num_attempts) FILTER (WHERE status = 'locked'), '{{}}') AS nas "
+        "FROM {s}.message_complete_and_dequeue(':ids'::bigint[], ':nas'::int[], "
+        f"{BATCH}, {LOCK_MS}) \\gset\n"
+    ),
+    # The same in two transactions per cycle (dequeue, then delete): what 0.1 measured.
+    ("lonnymq2", "take", 1): (
         "SELECT coalesce(id, 0) AS id, coalesce(num_attempts, 0) AS na "
         f"FROM {{s}}.message_dequeue({LOCK_MS}) \\gset\n"
         "\\if :id\n"
         "SELECT {s}.message_delete(:id, :na);\n"
-        "\\endif\n"
-    ),
-    ("lonnymq", "take", BATCH): (
-        "SELECT coalesce(array_agg(id), '{{}}') AS ids, "
-        "coalesce(array_agg(num_attempts), '{{}}') AS nas, count(id) AS n "
-        f"FROM {{s}}.message_dequeue_many({BATCH}, {LOCK_MS}) WHERE id IS NOT NULL \\gset\n"
-        "\\if :n\n"
-        "SELECT count(*) FROM {s}.message_delete_many(':ids'::bigint[], ':nas'::int[]);\n"
         "\\endif\n"
     ),
 }
@@ -214,7 +235,8 @@ class Bench:
         """Start pgbench on ``script`` for the profile's duration."""
         args = [
             self.pgbench, "-n", "-c", str(clients), "-j", "1", "-T", str(self.profile.seconds),
-            "-f", str(script), "-D", f"channels={channels}", self.dsn,
+            "-f", str(script), "-D", f"channels={channels}",
+            "-D", "id=0", "-D", "na=0", "-D", "ids={}", "-D", "nas={}", self.dsn,
         ]  # fmt: skip
         return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -243,17 +265,18 @@ class Bench:
         measured from the queue table instead: what was there or produced, minus what is left.
         """
         clients, seconds = self.profile.clients, self.profile.seconds
+        take_kind, kind = kind, ("lonnymq" if kind == "lonnymq2" else kind)
         if shape == "enqueue":
             script = self._script((kind, "create", batch))
             return self._tps(self._pgbench(script, clients, channels)) * batch
         if shape == "drain":
-            consumer = self._pgbench(self._script((kind, "take", batch)), clients, channels)
+            consumer = self._pgbench(self._script((take_kind, "take", batch)), clients, channels)
             self._tps(consumer)
             left = self._remaining(kind)
             if left == 0:
                 self.log(f"    (drained the whole backlog of {before:,} early: a lower bound)")
             return (before - left) / seconds
-        consumer = self._pgbench(self._script((kind, "take", batch)), clients, channels)
+        consumer = self._pgbench(self._script((take_kind, "take", batch)), clients, channels)
         producer = self._pgbench(self._script((kind, "create", batch)), clients, channels)
         produced = self._tps(producer) * batch * seconds
         self._tps(consumer)
@@ -264,8 +287,13 @@ class Bench:
         variants = [("raw", 1)] + [("lonnymq", n) for n in self.profile.channel_counts]
         for shape in ("enqueue", "drain", "steady"):
             for batch in (1, BATCH):
-                for kind, channels in variants:
-                    label = kind if kind == "raw" else f"lonnymq, {channels:,} ch"
+                extra = [("lonnymq2", 100)] if shape != "enqueue" and batch == 1 else []
+                for kind, channels in variants + extra:
+                    label = {
+                        "raw": "raw",
+                        "lonnymq": f"lonnymq, {channels:,} ch",
+                        "lonnymq2": f"lonnymq, {channels:,} ch, 2 tx",
+                    }[kind]
                     result = Result(shape=shape, queue=label, batch=batch)
                     for _ in range(self.profile.repeats):
                         self.reset()
@@ -273,7 +301,7 @@ class Bench:
                         if shape == "drain":
                             # The raw queue drains batches far faster: give it more.
                             before = self.profile.prefill * (10 if kind == "raw" else 1)
-                            self.prefill(kind, before, channels)
+                            self.prefill("raw" if kind == "raw" else "lonnymq", before, channels)
                         rate = self._run(kind, shape, batch, channels, before)
                         result.msgs_per_s.append(rate)
                     self.log(
@@ -303,11 +331,11 @@ class Bench:
                     fill(conn, size)
                 conn.execute("ANALYZE message")
                 conn.execute("ANALYZE channel")
-            timings = self._probe()
-            p50 = statistics.median(timings)
-            p99 = statistics.quantiles(timings, n=100)[98] if len(timings) >= 2 else p50
-            rows.append({"shape": name, "size": size, "p50_ms": p50, "p99_ms": p99})
-            self.log(f"  {name:<24} {size:>9,}  p50 {p50:.3f} ms  p99 {p99:.3f} ms")
+            row = _percentiles(name, self._probe()) | {"size": size}
+            rows.append(row)
+            self.log(
+                f"  {name:<24} {size:>9,}  p50 {row['p50_ms']:.3f} ms  p99 {row['p99_ms']:.3f} ms"
+            )
         return rows
 
     def _probe(self) -> list[float]:
@@ -323,6 +351,71 @@ class Bench:
                 conn.execute(statement, (LOCK_MS,), prepare=True).fetchall()
                 timings.append(1000 * (time.perf_counter() - started))
             return timings
+
+    # -- the worker ----------------------------------------------------------------------
+
+    def wakeup(self) -> dict[str, Any]:
+        """Time (ms) from calling ``create`` to the handler starting, for an idle worker that
+        is woken by NOTIFY; the create's own round trip and commit are included."""
+        from .worker import Worker
+
+        self.reset()
+        started: dict[int, float] = {}
+        arrived = threading.Event()
+
+        def handler(message: Any) -> None:
+            started[message.id] = time.perf_counter()
+            arrived.set()
+
+        timings: list[float] = []
+        with Queue(self.dsn, schema=SCHEMA, event_channel="lonnymq_bench") as queue:
+            queue.install()
+            worker = Worker(queue, handler, concurrency=1, lock_ms=LOCK_MS, idle_ms=60_000)
+            thread = threading.Thread(
+                target=worker.run, kwargs={"handle_signals": False}, daemon=True
+            )
+            thread.start()
+            time.sleep(0.5)  # idle and listening
+            try:
+                for _ in range(self.profile.wakeups):
+                    arrived.clear()
+                    sent = time.perf_counter()
+                    created = queue.create(b"\x00", channel="wake")
+                    if not arrived.wait(10) or created.id is None:
+                        raise RuntimeError("the idle worker was not woken within 10 s")
+                    timings.append(1000 * (started[created.id] - sent))
+                    time.sleep(0.02)  # let it go idle again
+            finally:
+                worker.stop()
+                thread.join(30)
+        row = _percentiles("idle worker wake-up", timings)
+        self.log(f"  wake-up (NOTIFY)  p50 {row['p50_ms']:.2f} ms  p99 {row['p99_ms']:.2f} ms")
+        return row
+
+    def worker_drain(self) -> dict[str, Any]:
+        """The Worker end to end: drain a backlog over 100 channels with a no-op handler."""
+        from .worker import Worker
+
+        self.reset()
+        count = self.profile.worker_messages
+        self.prefill("lonnymq", count, 100)
+        clients = self.profile.clients
+        with Queue(self.dsn, schema=SCHEMA, pool_size=clients + 4) as queue:
+            worker = Worker(queue, lambda message: None, concurrency=clients, lock_ms=LOCK_MS)
+            started = time.perf_counter()
+            stats = worker.run(handle_signals=False, until_idle=True)
+            elapsed = time.perf_counter() - started
+        if stats.completed != count:
+            raise RuntimeError(f"the worker completed {stats.completed} of {count} messages")
+        rate = count / elapsed
+        self.log(f"  worker, no-op handler, {clients} slots: {rate:,.0f} msg/s ({count:,} msgs)")
+        return {"messages": count, "concurrency": clients, "seconds": elapsed, "msgs_per_s": rate}
+
+
+def _percentiles(name: str, timings: list[float]) -> dict[str, Any]:
+    p50 = statistics.median(timings)
+    p99 = statistics.quantiles(timings, n=100)[98] if len(timings) >= 2 else p50
+    return {"shape": name, "size": len(timings), "p50_ms": p50, "p99_ms": p99}
 
 
 # -- backlog shapes for the latency curves (run with search_path = the lonnymq schema) ----
@@ -490,6 +583,12 @@ def run_bench(
     results = bench.throughput()
     log("dequeue latency (one call at a time):")
     latency = bench.latency()
+    log("the worker:")
+    wakeup = bench.wakeup()
+    worker = bench.worker_drain()
+    raw_drain = _raw_medians(results).get(("drain", 1))
+    if raw_drain:
+        worker["ratio_to_raw_drain"] = worker["msgs_per_s"] / raw_drain
     bench.reset()
     with bench._admin() as conn:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
@@ -501,6 +600,8 @@ def run_bench(
         "server_version": version[0] if version else None,
         "throughput": [asdict(r) | {"median": r.median} for r in results],
         "latency": latency,
+        "wakeup": wakeup,
+        "worker": worker,
         "seconds": time.perf_counter() - started,
     }
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
