@@ -10,6 +10,8 @@ from pathlib import Path
 
 import psycopg
 
+from lonnymq.migrate import latest_version
+
 
 def _run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "LONNYMQ_DSN": dsn}
@@ -26,7 +28,7 @@ def _run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
 def test_install_and_stats_json(dsn: str, schema_name: str) -> None:
     installed = _run(dsn, "--schema", schema_name, "install", "--archive")
     assert installed.returncode == 0, installed.stderr
-    assert f"schema {schema_name!r} is at version 1" in installed.stdout
+    assert f"schema {schema_name!r} is at version {latest_version()}" in installed.stdout
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f'SELECT "{schema_name}".message_create(%s, %s)', (b"x", "cli"))
     stats = _run(dsn, "--schema", schema_name, "stats", "--json")
@@ -76,7 +78,18 @@ def test_create_from_arguments_and_from_stdin(dsn: str, schema_name: str) -> Non
     by_args = _run_in(dsn, schema_name, "create", "a", "b", "--channel", "x", "--json")
     assert by_args.returncode == 0, by_args.stderr
     results = [json.loads(line) for line in by_args.stdout.splitlines()]
-    assert [(r["status"], r["channel_size"]) for r in results] == [("created", 1), ("created", 2)]
+    # A channel without a policy keeps no counter: no size comes back (stats() counts it).
+    assert [(r["status"], r["channel_size"]) for r in results] == [
+        ("created", None),
+        ("created", None),
+    ]
+    # A channel with a policy reports its exact size.
+    assert _run_in(dsn, schema_name, "policy", "set", "p", "--max-size", "2").returncode == 0
+    limited = _run_in(dsn, schema_name, "create", "a", "b", "c", "--channel", "p", "--json")
+    assert limited.returncode == 0, limited.stderr
+    assert [
+        (r["status"], r["channel_size"]) for r in map(json.loads, limited.stdout.splitlines())
+    ] == [("created", 1), ("created", 2), ("dropped", 2)]
     # One message per non-empty stdin line; the channel comes from the environment twin.
     by_stdin = _run_in(
         dsn, schema_name, "create", stdin="one\n\ntwo\nthree\n", env={"LONNYMQ_CHANNEL": "y"}
@@ -85,7 +98,7 @@ def test_create_from_arguments_and_from_stdin(dsn: str, schema_name: str) -> Non
     assert by_stdin.stdout.strip() == "3 created"
     stats = _run_in(dsn, schema_name, "stats", "--json")
     sizes = {r["channel"]: r["size"] for r in map(json.loads, stats.stdout.splitlines())}
-    assert sizes == {"x": 2, "y": 3}
+    assert sizes == {"p": 2, "x": 2, "y": 3}
 
 
 def test_create_refuses_contradictory_options(dsn: str, schema_name: str) -> None:

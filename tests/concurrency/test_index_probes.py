@@ -7,8 +7,11 @@ the table holds about 10^5 messages, filled with set-based SQL and ANALYZEd, and
 assert that:
 
 - no plan touching ``message`` or ``channel`` has a Seq Scan, a Bitmap Heap Scan or a Sort;
-- each known dequeue step uses its index (``message_unlock_ix``, ``channel_ready_ix``,
-  ``message_channel_head_ix``, the primary keys) and the steps the shape needs all ran;
+- every statement touching them is a known dequeue step (a new statement must be added to
+  ``STEPS`` with its index), each uses its index (``message_unlock_ix``, ``channel_ready_ix``,
+  ``message_channel_head_ix``, the primary keys) and the steps the shape needs all ran: the
+  policy path (``update_channel``), ``channel_rotate`` for a channel without a policy, and the
+  ride-along path when another session holds the channel's row;
 - the dequeues returned exactly the messages a plain (slow, obviously right) query names;
 - the plans hold both for the custom plans of the first executions and for generic plans.
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +42,11 @@ N = 100_000
 # ones may switch to the cached generic plan, and the last ones force the generic plan.
 DEFAULT_PASS = (7, 2)
 FORCED_PASS = (2, 2)
-CAPTURE_CALLS = sum(DEFAULT_PASS) + sum(FORCED_PASS)
+# Each plan mode of each pass ends with batch dequeues (limit BATCH_LIMIT), which take the
+# batch paths (several channels' heads in one statement, or riding along for several).
+BATCH_CALLS = 2
+BATCH_LIMIT = 4
+CAPTURE_CALLS = sum(DEFAULT_PASS) + sum(FORCED_PASS) + 2 * 2 * BATCH_CALLS * BATCH_LIMIT
 FORCE_INDEX = ("enable_seqscan", "enable_sort", "enable_bitmapscan")
 # The planner reads a channel table of a few pages whole (and sorts its handful of rows)
 # rather than probe channel_ready_ix: constant cost, so it is let through in the default pass
@@ -49,6 +57,7 @@ LOCK_MS = 30_000
 
 TABLES = frozenset({"message", "channel"})
 SCAN_NODES = frozenset({"Index Scan", "Index Only Scan"})
+SORT_NODES = frozenset({"Sort", "Incremental Sort"})
 BAD_NODES = frozenset(
     {"Seq Scan", "Bitmap Heap Scan", "Bitmap Index Scan", "Sort", "Incremental Sort"}
 )
@@ -56,12 +65,27 @@ BAD_NODES = frozenset(
 # Each statement of message_dequeue_many is recognised by a fragment of its text; the value
 # names, per table, the indexes it may be probed with (a statement that locks a row found by a
 # sub-select probes the sub-select's index and then the primary key).
+# Fragments are tried in order (the first match names the step).
 STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     "recover": (
         "e.is_locked AND e.unlock_at <= v_now",
         {"message": frozenset({"message_unlock_ix", "message_pkey"})},
     ),
+    # Every due channel's row is held: which one is busy (no lock taken).
+    "find_busy": ("SELECT c.name FROM channel c", {"channel": frozenset({"channel_ready_ix"})}),
     "pick_channel": ("c.next_dequeue_at <= v_now", {"channel": frozenset({"channel_ready_ix"})}),
+    # Does the busy channel have a policy (and, if so, the NOWAIT poll of its row)?
+    "busy_policy": ("c.name = v_busy", {"channel": frozenset({"channel_pkey"})}),
+    # Ride along: the busy channel's next waiting head, without its row.
+    "ride_along": (
+        "h.channel = v_busy",
+        {"message": frozenset({"message_channel_head_ix", "message_pkey"})},
+    ),
+    # The batch path: the heads of several channels without a policy, in one statement.
+    "spread_heads": (
+        "m.channel = f.name AND NOT m.is_locked",
+        {"message": frozenset({"message_channel_head_ix", "message_pkey"})},
+    ),
     "lock_head": (
         "h.channel = v_channel.name",
         {"message": frozenset({"message_channel_head_ix", "message_pkey"})},
@@ -73,6 +97,13 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
             "message": frozenset({"message_channel_head_ix"}),
         },
     ),
+    # channel_rotate() (a channel without a policy): its next waiting head, then its row is
+    # updated or, once drained, deleted.
+    "rotate_head": (
+        "m.channel = p_channel AND NOT m.is_locked",
+        {"message": frozenset({"message_channel_head_ix"})},
+    ),
+    "rotate_channel": ("c.name = p_channel", {"channel": frozenset({"channel_pkey"})}),
     "retry_at": (
         "SELECT least(",
         {
@@ -81,7 +112,12 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
         },
     ),
 }
-HEAD_STEPS = frozenset({"recover", "pick_channel", "lock_head", "update_channel"})
+# A channel without a policy is rotated; one with a policy has its row updated in place.
+HEAD_STEPS = frozenset(
+    {"recover", "pick_channel", "lock_head", "spread_heads", "rotate_head", "rotate_channel"}
+)
+POLICY_HEAD_STEPS = frozenset({"recover", "pick_channel", "lock_head", "update_channel"})
+RIDE_ALONG_STEPS = frozenset({"recover", "pick_channel", "find_busy", "busy_policy", "ride_along"})
 
 
 @dataclass(frozen=True)
@@ -93,6 +129,8 @@ class Shape:
     fill: tuple[str, ...]
     reference: str
     steps: frozenset[str]
+    # Channel rows another session holds (FOR UPDATE, as a dequeue does) while dequeuing.
+    held: tuple[str, ...] = ()
 
 
 def _insert(
@@ -115,21 +153,28 @@ def _insert(
     """
 
 
-# The channel rows the SQL functions would keep for the messages inserted directly: size,
-# in-flight count (kept only under a concurrency limit) and the head's dequeue time (policy
-# rows inserted beforehand are kept).
+# The channel rows the SQL functions would keep for the messages inserted directly: the
+# head's dequeue time for every channel with a waiting message (a channel without a policy
+# has a row only then), and, for channels with a policy (rows inserted beforehand), the size
+# and the in-flight count (kept only under a concurrency limit).
 REBUILD_CHANNELS = """
-    INSERT INTO channel AS c (name, current_size, current_concurrency, next_dequeue_at, turn)
-    SELECT m.channel, count(*), count(*) FILTER (WHERE m.is_locked),
-           min(m.dequeue_at) FILTER (WHERE NOT m.is_locked), nextval('channel_turn_seq')
+    INSERT INTO channel AS c (name, next_dequeue_at, turn)
+    SELECT m.channel, min(m.dequeue_at) FILTER (WHERE NOT m.is_locked),
+           nextval('channel_turn_seq')
     FROM message m
     GROUP BY m.channel
+    HAVING bool_or(NOT m.is_locked)
     ON CONFLICT (name) DO UPDATE SET
-        current_size = excluded.current_size,
-        current_concurrency = excluded.current_concurrency,
         next_dequeue_at = excluded.next_dequeue_at,
         turn = excluded.turn;
-    UPDATE channel SET current_concurrency = 0 WHERE max_concurrency IS NULL
+    UPDATE channel c SET
+        current_size = s.size,
+        current_concurrency = CASE WHEN c.max_concurrency IS NULL THEN 0 ELSE s.in_flight END
+    FROM (
+        SELECT m.channel, count(*) AS size, count(*) FILTER (WHERE m.is_locked) AS in_flight
+        FROM message m GROUP BY m.channel
+    ) s
+    WHERE s.channel = c.name AND c.has_policy
 """
 
 HOUR = 3_600_000
@@ -141,6 +186,26 @@ SHAPES = [
         (_insert("'big'"),),
         "SELECT id FROM message ORDER BY dequeue_at, id",
         HEAD_STEPS,
+    ),
+    # (a+) the same with a policy: the channel's row is updated in place, counters and all.
+    Shape(
+        "one_policy_channel_ready",
+        (
+            "INSERT INTO channel (name, has_policy, max_concurrency, max_size)"
+            " VALUES ('big', TRUE, 1000000, 1000000)",
+            _insert("'big'"),
+        ),
+        "SELECT id FROM message ORDER BY dequeue_at, id",
+        POLICY_HEAD_STEPS,
+    ),
+    # (a++) the same without a policy while another session holds the channel's row (as a
+    # dequeue in progress does): every dequeue rides along and takes the next head.
+    Shape(
+        "one_channel_row_held",
+        (_insert("'big'"),),
+        "SELECT id FROM message ORDER BY dequeue_at, id",
+        RIDE_ALONG_STEPS,
+        held=("big",),
     ),
     # (a') the same channel with 9*10^4 messages in flight ahead of its 10^4 waiting ones.
     Shape(
@@ -157,7 +222,7 @@ SHAPES = [
         "future_ahead_other_channel",
         (
             _insert("'future'", dequeue_at=f"epoch() + {HOUR} + g"),
-            _insert("'ready'", count=20),
+            _insert("'ready'", count=100),
         ),
         "SELECT id FROM message WHERE channel = 'ready' ORDER BY dequeue_at, id",
         HEAD_STEPS,
@@ -167,7 +232,7 @@ SHAPES = [
         "future_ahead_same_channel",
         (
             _insert("'mixed'", dequeue_at=f"epoch() + {HOUR} + g"),
-            _insert("'mixed'", count=20),
+            _insert("'mixed'", count=100),
         ),
         "SELECT id FROM message WHERE dequeue_at <= epoch() ORDER BY dequeue_at, id",
         HEAD_STEPS,
@@ -191,7 +256,7 @@ SHAPES = [
         "live_locks",
         (
             _insert("'c' || g % 100", locked="TRUE", unlock_at=f"epoch() + {HOUR} + g"),
-            _insert("'ready'", count=20),
+            _insert("'ready'", count=100),
         ),
         "SELECT id FROM message WHERE channel = 'ready' ORDER BY dequeue_at, id",
         HEAD_STEPS,
@@ -258,17 +323,25 @@ def _parse_notice(message: str) -> Plan | None:
 
 
 def _step_of(plan: Plan) -> str | None:
+    query = " ".join(plan.query.split())
     for step, (fragment, _) in STEPS.items():
-        if fragment in plan.query:
+        if fragment in query:
             return step
     return None
 
 
+def _sorts_a_cte(node: dict[str, Any]) -> bool:
+    return any(n["Node Type"] == "CTE Scan" for n in _nodes(node, subplans=False))
+
+
 def _problems(plan: Plan, *, tolerated: frozenset[str] = frozenset()) -> list[str]:
-    """What is wrong with one plan: a full scan or a sort, or a step probing the wrong index.
+    """What is wrong with one plan: a statement that is no known step, a full scan or a sort,
+    or a step probing the wrong index.
 
     A Seq Scan of a table in ``tolerated`` (and a Sort of only its rows) is let through: the
-    planner rightly reads a table of a page or two rather than probe its index.
+    planner rightly reads a table of a page or two rather than probe its index. So is a Sort
+    of the rows of a CTE (``WITH taken AS (UPDATE ... RETURNING ...) SELECT ... ORDER BY``):
+    it orders what the CTE's own plan, checked node by node, found by its probes.
     """
     nodes = list(_nodes(plan.root))
     if not any(node.get("Relation Name") in TABLES for node in nodes):
@@ -276,10 +349,14 @@ def _problems(plan: Plan, *, tolerated: frozenset[str] = frozenset()) -> list[st
     step = _step_of(plan)
     expected = STEPS[step][1] if step is not None else {}
     problems: list[str] = []
+    if step is None:
+        problems.append("statement is no known dequeue step: add it to STEPS with its index")
     for node in nodes:
         kind = node["Node Type"]
         relation = node.get("Relation Name")
         below = {n["Relation Name"] for n in _nodes(node, subplans=False) if "Relation Name" in n}
+        if kind in SORT_NODES and not below and _sorts_a_cte(node):
+            continue
         if kind in BAD_NODES and not (below and below <= tolerated):
             problems.append(f"{kind} on {relation or ', '.join(sorted(below)) or '-'}")
         elif relation in TABLES and kind not in SCAN_NODES | {"ModifyTable", *BAD_NODES}:
@@ -323,21 +400,23 @@ def _fill(admin: psycopg.Connection[Any], schema: str, shape: Shape) -> float:
     return time.perf_counter() - started
 
 
-def _dequeue(conn: psycopg.Connection[Any], schema: str) -> tuple[int | None, int | None]:
-    """One dequeue: (id, retry_at) of the single row message_dequeue_many(1, ...) returns."""
+def _dequeue(
+    conn: psycopg.Connection[Any], schema: str, limit: int = 1
+) -> list[tuple[int | None, int | None]]:
+    """One dequeue: (id, retry_at) of each row message_dequeue_many(limit, ...) returns."""
     rows = conn.execute(
-        _schema_sql("SELECT id, retry_at FROM {}.message_dequeue_many(1, %s)", schema),
-        (LOCK_MS,),
+        _schema_sql("SELECT id, retry_at FROM {}.message_dequeue_many(%s, %s)", schema),
+        (limit, LOCK_MS),
     ).fetchall()
-    assert len(rows) == 1
-    return rows[0][0], rows[0][1]
+    assert 1 <= len(rows) <= limit
+    return [(row[0], row[1]) for row in rows]
 
 
 def _capture(
     dsn: str, schema: str, calls: tuple[int, int], *, force_index: bool
 ) -> tuple[list[Plan], list[tuple[int | None, int | None]]]:
-    """Dequeue with auto_explain on (``calls``: default, then forced generic plan calls);
-    the nested plans and the dequeue results."""
+    """Dequeue with auto_explain on (``calls``: default, then forced generic plan calls;
+    each followed by BATCH_CALLS batch dequeues); the nested plans and the dequeue results."""
     plans: list[Plan] = []
     results: list[tuple[int | None, int | None]] = []
 
@@ -362,10 +441,14 @@ def _capture(
                 conn.execute(f"SET {name} = off")
         default_calls, generic_calls = calls
         for _ in range(default_calls):
-            results.append(_dequeue(conn, schema))
+            results += _dequeue(conn, schema)
+        for _ in range(BATCH_CALLS):
+            results += _dequeue(conn, schema, BATCH_LIMIT)
         conn.execute("SET plan_cache_mode = force_generic_plan")
         for _ in range(generic_calls):
-            results.append(_dequeue(conn, schema))
+            results += _dequeue(conn, schema)
+        for _ in range(BATCH_CALLS):
+            results += _dequeue(conn, schema, BATCH_LIMIT)
     return plans, results
 
 
@@ -385,27 +468,56 @@ def _time_dequeues(dsn: str, schema: str) -> tuple[float, int]:
         got = 0
         started = time.perf_counter()
         for _ in range(TIMED_CALLS):
-            message_id, _retry_at = _dequeue(conn, schema)
+            ((message_id, _retry_at),) = _dequeue(conn, schema)
             got += message_id is not None
         return time.perf_counter() - started, got
 
 
 def _counter_mismatches(admin: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
-    """Channels whose size or in-flight counter disagrees with the message table."""
+    """Channels whose row disagrees with the message table: a channel with a policy whose size
+    or in-flight counter is off, or a channel without one that has a waiting message but no
+    row saying it is due by then (its row may say too early, never too late)."""
     return admin.execute(
         """
-        SELECT c.name, c.current_size, c.current_concurrency, m.size, m.in_flight
+        SELECT coalesce(c.name, m.channel), c.has_policy, c.current_size, c.current_concurrency,
+               c.next_dequeue_at, m.size, m.in_flight, m.head_at
         FROM channel c
         FULL JOIN (
-            SELECT channel, count(*) AS size, count(*) FILTER (WHERE is_locked) AS in_flight
+            SELECT channel, count(*) AS size, count(*) FILTER (WHERE is_locked) AS in_flight,
+                   min(dequeue_at) FILTER (WHERE NOT is_locked) AS head_at
             FROM message GROUP BY channel
         ) m ON m.channel = c.name
-        WHERE c.current_size IS DISTINCT FROM coalesce(m.size, 0)
-           OR c.current_concurrency IS DISTINCT FROM CASE
-               WHEN c.max_concurrency IS NULL THEN 0 ELSE coalesce(m.in_flight, 0) END
+        WHERE CASE
+            WHEN c.has_policy THEN
+                c.current_size IS DISTINCT FROM coalesce(m.size, 0)
+                OR c.current_concurrency IS DISTINCT FROM CASE
+                    WHEN c.max_concurrency IS NULL THEN 0 ELSE coalesce(m.in_flight, 0) END
+            ELSE m.head_at IS NOT NULL
+                AND (c.next_dequeue_at IS NULL
+                     OR c.next_dequeue_at > greatest(m.head_at, epoch()))
+            END
         LIMIT 10
         """
     ).fetchall()
+
+
+@contextmanager
+def _holding(dsn: str, schema: str, channels: tuple[str, ...]) -> Iterator[None]:
+    """Hold the rows of ``channels`` (FOR UPDATE, in an open transaction, as a dequeue in
+    progress does) until the block ends; then roll back."""
+    if not channels:
+        yield
+        return
+    with psycopg.connect(dsn) as holder:
+        held = holder.execute(
+            _schema_sql("SELECT name FROM {}.channel WHERE name = ANY(%s) FOR UPDATE", schema),
+            [list(channels)],
+        ).fetchall()
+        assert sorted(row[0] for row in held) == sorted(channels)
+        try:
+            yield
+        finally:
+            holder.rollback()
 
 
 @pytest.mark.slow
@@ -432,9 +544,11 @@ def test_every_dequeue_step_is_an_index_probe(
     ).fetchone() or (0,)
     tolerated = frozenset({"channel"}) if channel_pages <= TINY_TABLE_PAGES else frozenset()
 
-    plans, results = _capture(dsn, queue.schema, DEFAULT_PASS, force_index=False)
+    with _holding(dsn, queue.schema, shape.held):
+        plans, results = _capture(dsn, queue.schema, DEFAULT_PASS, force_index=False)
+        forced_plans, forced_results = _capture(dsn, queue.schema, FORCED_PASS, force_index=True)
+        seconds, got = _time_dequeues(dsn, queue.schema)
     _check_plans(plans, shape.steps, tolerated)
-    forced_plans, forced_results = _capture(dsn, queue.schema, FORCED_PASS, force_index=True)
     _check_plans(forced_plans, shape.steps, frozenset())
 
     # The dequeues returned what the reference query names, in order.
@@ -444,7 +558,6 @@ def test_every_dequeue_step_is_an_index_probe(
     if not expected_ids:
         assert {retry_at for _, retry_at in results} == {next_at}
 
-    seconds, got = _time_dequeues(dsn, queue.schema)
     print(
         f"\n[{shape.name}] fill {fill_seconds:.2f}s, channel table {channel_pages} pages; "
         f"{TIMED_CALLS} dequeues in "
@@ -471,17 +584,59 @@ def test_plan_checker_flags_a_seq_scan_and_a_sort(
     # A tiny channel table may be read whole, the message table never.
     assert _problems(plan, tolerated=frozenset({"channel"})) == problems
     channel_plan = Plan(
-        query="SELECT * FROM channel",
+        query="SELECT * FROM channel c WHERE c.next_dequeue_at   <= v_now",
         root={
             "Node Type": "Sort",
             "Plans": [{"Node Type": "Seq Scan", "Relation Name": "channel"}],
         },
     )
     assert _problems(channel_plan) == [
-        "[unknown step] Sort on channel",
-        "[unknown step] Seq Scan on channel",
+        "[pick_channel] Sort on channel",
+        "[pick_channel] Seq Scan on channel",
     ]
     assert _problems(channel_plan, tolerated=frozenset({"channel"})) == []
+    # A statement on the tables that is no known step is reported, even as an index probe;
+    # one that touches neither table (an advisory lock call) is not.
+    unknown = Plan(
+        query="SELECT * FROM channel WHERE name = 'x'",
+        root={"Node Type": "Index Scan", "Relation Name": "channel", "Index Name": "channel_pkey"},
+    )
+    assert _problems(unknown) == [
+        "[unknown step] statement is no known dequeue step: add it to STEPS with its index"
+    ]
+    cte_sort = Plan(
+        query="WITH taken AS (UPDATE message m ... h.channel = v_busy ...) SELECT ... ORDER BY",
+        root={
+            "Node Type": "Sort",
+            "Plans": [
+                {
+                    "Node Type": "ModifyTable",
+                    "Relation Name": "message",
+                    "Parent Relationship": "InitPlan",
+                    "Plans": [{"Node Type": "Seq Scan", "Relation Name": "message"}],
+                },
+                {"Node Type": "CTE Scan", "Parent Relationship": "Outer"},
+            ],
+        },
+    )
+    assert _problems(cte_sort) == ["[ride_along] Seq Scan on message"]
+    bitmap = Plan(
+        query="h.channel = v_busy",
+        root={
+            "Node Type": "Bitmap Heap Scan",
+            "Relation Name": "message",
+            "Plans": [{"Node Type": "Bitmap Index Scan", "Index Name": "message_channel_head_ix"}],
+        },
+    )
+    assert _problems(bitmap) == [
+        "[ride_along] Bitmap Heap Scan on message",
+        "[ride_along] Bitmap Index Scan on -",
+    ]
+    advisory = Plan(
+        query="SELECT pg_try_advisory_xact_lock(channel_key(p_channel))",
+        root={"Node Type": "Result"},
+    )
+    assert _problems(advisory) == []
     wrong_index = Plan(
         query="e.is_locked AND e.unlock_at <= v_now",
         root={"Node Type": "Index Scan", "Relation Name": "message", "Index Name": "x_ix"},

@@ -7,10 +7,14 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 
 from lonnymq import Message, Queue
 
 LOCK_MS = 60_000
+# A channel with a policy is served under its row, so a second dequeue waits for the row's
+# holder; a channel without one is "ridden along" instead (tests/concurrency/test_fast_paths.py).
+MAX_CONCURRENCY = 10
 
 
 def test_dequeue_waits_for_a_busy_channel_instead_of_reporting_empty(
@@ -18,7 +22,9 @@ def test_dequeue_waits_for_a_busy_channel_instead_of_reporting_empty(
 ) -> None:
     """Session A dequeues from the only ready channel and keeps its transaction open a moment,
     so it holds the channel's row. Session B's dequeue must not answer "empty" (a ready message
-    exists): it waits for A to commit, then takes the next message."""
+    exists): it waits for A to commit, then takes the next message. (A channel with a policy:
+    one without is served to B at once, see below.)"""
+    queue.channel("hot").set_policy(max_concurrency=MAX_CONCURRENCY)
     queue.create(b"first", channel="hot")
     queue.create(b"second", channel="hot")
     got: list[Message | None] = []
@@ -39,8 +45,9 @@ def test_dequeue_waits_for_a_busy_channel_instead_of_reporting_empty(
 
 
 def test_dequeue_does_not_block_behind_a_long_transaction(dsn: str, queue: Queue) -> None:
-    """If A keeps the channel's row for long, B gives up after a short wait (it never blocks
-    on a lock, so it can never deadlock) and reports nothing ready."""
+    """If A keeps the row of a channel with a policy for long, B gives up after a short wait
+    (it never blocks on a lock, so it can never deadlock) and reports nothing ready."""
+    queue.channel("hot").set_policy(max_concurrency=MAX_CONCURRENCY)
     queue.create(b"first", channel="hot")
     queue.create(b"second", channel="hot")
     with psycopg.connect(dsn) as session_a:
@@ -52,9 +59,37 @@ def test_dequeue_does_not_block_behind_a_long_transaction(dsn: str, queue: Queue
     assert queue.dequeue(lock_ms=LOCK_MS) is not None
 
 
-def test_a_waiting_dequeue_gives_up_when_the_channel_is_drained(dsn: str, queue: Queue) -> None:
+def test_policy_free_channel_is_served_behind_a_long_transaction(dsn: str, queue: Queue) -> None:
+    """Without a policy B does not wait for A's row at all: it takes the next message at once
+    ("rides along"), and the two never share a message."""
+    queue.create(b"first", channel="hot")
+    queue.create(b"second", channel="hot")
+    queue.create(b"third", channel="hot")
+    with psycopg.connect(dsn) as session_a:
+        taken = queue.dequeue(lock_ms=LOCK_MS, conn=session_a)
+        assert taken is not None
+        assert taken.content == b"first"
+        started = time.monotonic()
+        second = queue.dequeue(lock_ms=LOCK_MS)
+        # Well under the ~0.1 s a channel with a policy polls for its row.
+        assert time.monotonic() - started < 0.05
+        assert second is not None
+        assert second.content == b"second"
+        session_a.commit()
+    third = queue.dequeue(lock_ms=LOCK_MS)
+    assert third is not None
+    assert third.content == b"third"
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+
+
+@pytest.mark.parametrize("policy", [True, False], ids=["policy", "no_policy"])
+def test_a_waiting_dequeue_gives_up_when_the_channel_is_drained(
+    dsn: str, queue: Queue, policy: bool
+) -> None:
     """Same interleaving with a single message: once A commits nothing is ready, so B returns
-    None (after waiting once) rather than spinning."""
+    None (after waiting once, with a policy; at once, without) rather than spinning."""
+    if policy:
+        queue.channel("hot").set_policy(max_concurrency=MAX_CONCURRENCY)
     queue.create(b"only", channel="hot")
     got: list[Any] = []
     with psycopg.connect(dsn) as session_a:

@@ -26,9 +26,11 @@ def test_async_round_trip(dsn: str, schema_name: str) -> None:
         async with AsyncQueue(dsn, schema=schema_name) as queue:
             assert await queue.install() >= 1
             created = await queue.create(b"hello", channel="a", dedup_key="k")
-            assert (created.status, created.channel_size) == (CreateStatus.CREATED, 1)
+            # No policy, no counter: the size is not reported, stats() counts it.
+            assert (created.status, created.channel_size) == (CreateStatus.CREATED, None)
             duplicate = await queue.create(b"again", channel="a", dedup_key="k")
             assert (duplicate.status, duplicate.id) == (CreateStatus.DEDUPLICATED, created.id)
+            assert [(s.channel, s.size) for s in await queue.stats()] == [("a", 1)]
 
             message = await queue.dequeue(lock_ms=LOCK_MS)
             assert message is not None
@@ -117,6 +119,8 @@ def test_async_batches(dsn: str, schema_name: str) -> None:
         async with AsyncQueue(dsn, schema=schema_name) as queue:
             await queue.install()
             assert await queue.create_many([]) == []
+            # "b" has a policy (exact counters, sizes reported); "a" has none.
+            await queue.channel("b").set_policy(max_size=10)
             results = await queue.create_many(
                 [
                     NewMessage(b"b0", channel="b"),
@@ -127,10 +131,11 @@ def test_async_batches(dsn: str, schema_name: str) -> None:
             )
             assert [(r.status, r.channel_size) for r in results] == [
                 (CreateStatus.CREATED, 1),
-                (CreateStatus.CREATED, 1),
+                (CreateStatus.CREATED, None),
                 (CreateStatus.CREATED, 2),
                 (CreateStatus.DEDUPLICATED, 2),
             ]
+            assert [(s.channel, s.size) for s in await queue.stats()] == [("a", 1), ("b", 2)]
             held = await queue.dequeue_many(10, lock_ms=LOCK_MS)
             assert sorted(m.content for m in held) == [b"a0", b"b0", b"b1"]
             by_content = {m.content: m for m in held}
@@ -144,7 +149,8 @@ def test_async_batches(dsn: str, schema_name: str) -> None:
             again = await queue.dequeue_many(10, lock_ms=LOCK_MS)
             assert [(m.content, m.num_attempts) for m in again] == [(b"b0", 2)]
             assert await queue.delete_many(again) == [AckStatus.OK]
-            assert await queue.stats() == []
+            stats = await queue.stats()
+            assert [(s.channel, s.size, s.in_flight) for s in stats] == [("b", 0, 0)]
 
     asyncio.run(run())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 from lonnymq import AckStatus, CreateResult, CreateStatus, Message, NewMessage, Queue
@@ -34,14 +35,26 @@ def make_stale(queue: Queue, channel: str) -> tuple[Message, Message]:
     return stale, fresh
 
 
+def sized(queue: Queue, policy: bool, *channels: str) -> None:
+    """Give ``channels`` a policy (exact counters, sizes reported) when ``policy``; without
+    one a channel keeps no counter and creates report ``channel_size`` None."""
+    if policy:
+        for channel in channels:
+            queue.channel(channel).set_policy(max_size=1_000)
+
+
 # -- dedup_key ---------------------------------------------------------------------------
 
 
-def test_same_dedup_key_in_same_channel_is_deduplicated(queue: Queue) -> None:
+@pytest.mark.parametrize("policy", [True, False], ids=["policy", "no_policy"])
+def test_same_dedup_key_in_same_channel_is_deduplicated(queue: Queue, policy: bool) -> None:
+    sized(queue, policy, "a")
     first = queue.create(b"one", channel="a", dedup_key="k")
     second = queue.create(b"two", channel="a", dedup_key="k")
-    assert first == CreateResult(CreateStatus.CREATED, first.id, 1)
-    assert second == CreateResult(CreateStatus.DEDUPLICATED, first.id, 1)
+    size = 1 if policy else None
+    assert first == CreateResult(CreateStatus.CREATED, first.id, size)
+    assert second == CreateResult(CreateStatus.DEDUPLICATED, first.id, size)
+    assert [(s.channel, s.size) for s in queue.stats()] == [("a", 1)]
     messages = queue.dequeue_many(10, lock_ms=LOCK_MS)
     assert [(m.id, m.content) for m in messages] == [(first.id, b"one")]
 
@@ -83,9 +96,11 @@ def test_dedup_key_is_free_again_after_delete(queue: Queue) -> None:
     assert (message.id, message.content) == (reused.id, b"two")
 
 
+@pytest.mark.parametrize("policy", [True, False], ids=["policy", "no_policy"])
 def test_create_many_deduplicates_inside_one_batch(
-    queue: Queue, admin: psycopg.Connection[Any], schema_name: str
+    queue: Queue, admin: psycopg.Connection[Any], schema_name: str, policy: bool
 ) -> None:
+    sized(queue, policy, "a", "b")
     results = queue.create_many(
         [
             NewMessage(b"k1-first", channel="a", dedup_key="k1"),
@@ -104,21 +119,25 @@ def test_create_many_deduplicates_inside_one_batch(
     ]
     assert results[1].id == results[0].id
     assert results[4].id == results[0].id
-    assert [r.channel_size for r in results] == [1, 1, 2, 1, 2]
+    assert [r.channel_size for r in results] == ([1, 1, 2, 1, 2] if policy else [None] * 5)
+    assert {s.channel: s.size for s in queue.stats()} == {"a": 2, "b": 1}
     stored = contents_by_id(admin, schema_name, [r.id for r in results])
     assert sorted(stored.values()) == [b"k1-first", b"k1-other-channel", b"k2"]
 
 
-def test_create_many_deduplicates_against_live_messages(queue: Queue) -> None:
+@pytest.mark.parametrize("policy", [True, False], ids=["policy", "no_policy"])
+def test_create_many_deduplicates_against_live_messages(queue: Queue, policy: bool) -> None:
+    sized(queue, policy, "a")
     live = queue.create(b"live", channel="a", dedup_key="k")
     results = queue.create_many(
         [NewMessage(b"dup", channel="a", dedup_key="k"), NewMessage(b"new", channel="a")]
     )
     assert [(r.status, r.channel_size) for r in results] == [
-        (CreateStatus.DEDUPLICATED, 1),
-        (CreateStatus.CREATED, 2),
+        (CreateStatus.DEDUPLICATED, 1 if policy else None),
+        (CreateStatus.CREATED, 2 if policy else None),
     ]
     assert results[0].id == live.id
+    assert [(s.channel, s.size) for s in queue.stats()] == [("a", 2)]
 
 
 # -- create_many -------------------------------------------------------------------------
@@ -135,9 +154,11 @@ def test_create_many_returns_results_in_input_order(
         NewMessage(b"c1", channel="c"),
         NewMessage(b"d0"),  # default channel
     ]
+    # "a" and "c" have a policy and report their sizes; "b" and the default channel do not.
+    sized(queue, True, "a", "c")
     results = queue.create_many(items)
     assert [r.status for r in results] == [CreateStatus.CREATED] * len(items)
-    assert [r.channel_size for r in results] == [1, 1, 1, 2, 2, 1]
+    assert [r.channel_size for r in results] == [1, 1, None, 2, 2, None]
     stored = contents_by_id(admin, schema_name, [r.id for r in results])
     assert [stored[r.id] for r in results if r.id is not None] == [i.content for i in items]
     # Ids are numbered in input order, whatever the channels.
@@ -161,10 +182,11 @@ def test_create_many_with_scheduling_and_max_size(queue: Queue) -> None:
     assert [(r.status, r.channel_size) for r in results] == [
         (CreateStatus.CREATED, 1),
         (CreateStatus.DROPPED, 1),
-        (CreateStatus.CREATED, 1),
-        (CreateStatus.CREATED, 2),
+        (CreateStatus.CREATED, None),  # "big" has no policy: no counter
+        (CreateStatus.CREATED, None),
     ]
     assert results[1].id is None
+    assert {s.channel: s.size for s in queue.stats()} == {"big": 2, "small": 1}
     assert sorted(m.content for m in queue.dequeue_many(10, lock_ms=LOCK_MS)) == [b"early", b"s0"]
 
 

@@ -244,6 +244,14 @@ def test_lowering_max_size_keeps_messages_already_there(queue: Queue) -> None:
 def test_policy_free_channel_has_no_size_limit(queue: Queue) -> None:
     results = [queue.create(b"x", channel="free") for _ in range(3)]
     assert [r.status for r in results] == [CreateStatus.CREATED] * 3
+    # No policy, no counter: the size is not reported, stats() counts the messages.
+    assert [r.channel_size for r in results] == [None, None, None]
+    assert [(s.channel, s.size, s.in_flight) for s in queue.stats()] == [("free", 3, 0)]
+
+
+def test_a_channel_with_a_policy_reports_its_size(queue: Queue) -> None:
+    queue.channel("counted").set_policy(max_concurrency=5)
+    results = [queue.create(b"x", channel="counted") for _ in range(3)]
     assert [r.channel_size for r in results] == [1, 2, 3]
 
 

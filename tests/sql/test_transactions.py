@@ -13,6 +13,7 @@ from psycopg import sql
 
 from lonnymq import CreateStatus, Queue
 from lonnymq.migrate import latest_version
+from lonnymq.migrate import migrations as all_migrations
 
 LOCK_MS = 60_000
 
@@ -142,9 +143,12 @@ def test_install_is_idempotent(
     assert message is not None
     assert message.id == created.id
     migrations = admin.execute(
-        sql.SQL("SELECT version FROM {}.migration").format(sql.Identifier(schema_name))
+        sql.SQL("SELECT version FROM {}.migration ORDER BY version").format(
+            sql.Identifier(schema_name)
+        )
     ).fetchall()
-    assert migrations == [(version,)]
+    assert migrations == [(m.version,) for m in all_migrations()]
+    assert migrations[-1] == (version,)
 
 
 def test_concurrent_installs_into_a_new_schema(
@@ -171,9 +175,12 @@ def test_concurrent_installs_into_a_new_schema(
         assert process.returncode == 0, err
         assert out.strip() == str(latest_version())
     migrations = admin.execute(
-        sql.SQL("SELECT version FROM {}.migration").format(sql.Identifier(other_schema))
+        sql.SQL("SELECT version FROM {}.migration ORDER BY version").format(
+            sql.Identifier(other_schema)
+        )
     ).fetchall()
-    assert migrations == [(latest_version(),)]
+    assert migrations == [(m.version,) for m in all_migrations()]
+    assert migrations[-1] == (latest_version(),)
 
     with Queue(dsn, schema=other_schema) as q:
         assert q.create(b"x").status is CreateStatus.CREATED

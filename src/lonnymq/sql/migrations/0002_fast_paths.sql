@@ -384,7 +384,9 @@ SET search_path FROM CURRENT
 AS $$
 #variable_conflict use_column
 DECLARE
-    v_now BIGINT := epoch();
+    -- The clock as this call starts, not as its transaction did: another session may have
+    -- served a channel and set its next time by its own, later clock since.
+    v_now BIGINT := epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT;
     v_taken INTEGER := 0;
     v_probes INTEGER := 0;
     v_message message;
@@ -431,7 +433,9 @@ BEGIN
             -- policy are left to the one-by-one steps below, which come to them next.
             IF NOT v_spread AND p_limit - v_taken >= 2 THEN
                 v_spread := TRUE;
-                SELECT array_agg(l.name ORDER BY l.ord) FILTER (WHERE NOT l.has_policy)
+                SELECT array_agg(l.name ORDER BY l.ord) FILTER (
+                    WHERE NOT l.has_policy
+                      AND pg_try_advisory_xact_lock_shared(channel_key(l.name)))
                 INTO v_free
                 FROM (
                     SELECT s.name, s.has_policy, row_number() OVER () AS ord
@@ -470,7 +474,8 @@ BEGIN
                                 locked_at = v_now,
                                 num_attempts = m.num_attempts + 1
                             FROM chosen c
-                            WHERE m.id = c.id
+                            WHERE m.id = ANY (ARRAY(SELECT c2.id FROM chosen c2))
+                              AND m.id = c.id
                             RETURNING m.id, m.channel, m.content, m.state, m.num_attempts,
                                       m.dequeue_at, m.unlock_at, c.rn, c.ord
                         )
@@ -515,13 +520,13 @@ BEGIN
                                 unlock_at = v_now + p_lock_ms,
                                 locked_at = v_now,
                                 num_attempts = m.num_attempts + 1
-                            WHERE m.id IN (
+                            WHERE m.id = ANY (ARRAY(
                                 SELECT h.id FROM message h
                                 WHERE h.channel = v_busy AND NOT h.is_locked
                                   AND h.dequeue_at <= v_now
                                 ORDER BY h.dequeue_at, h.id
                                 LIMIT p_limit - v_taken
-                                FOR UPDATE SKIP LOCKED)
+                                FOR UPDATE SKIP LOCKED))
                             RETURNING m.*
                         )
                         SELECT t.id, t.channel, t.content, t.state, t.num_attempts,
@@ -561,6 +566,13 @@ BEGIN
                     -- again.
                     CONTINUE WHEN NOT v_found;
                 END IF;
+            END IF;
+
+            -- Hold the channel's shared advisory lock too, as every operation on its
+            -- messages does: a later delete or create of ours in this transaction then never
+            -- waits for a policy change that waits for our row (a deadlock).
+            IF v_found AND NOT pg_try_advisory_xact_lock_shared(channel_key(v_channel.name)) THEN
+                EXIT;  -- its policy is being changed: serve it next time
             END IF;
 
             IF v_found THEN

@@ -1,0 +1,754 @@
+"""Migration 0002's fast paths, with real sessions interleaved on purpose.
+
+A channel without a policy keeps no counters and its row is written only to say when it is
+next due: concurrent dequeues of one hot channel "ride along" instead of skipping it, a create
+that skips writing the row must never be stranded by a dequeue that drains the channel at the
+same moment, setting a policy on a live channel counts it exactly, and the row goes away once
+the channel is drained. ``complete_and_dequeue`` finishes and takes in one transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from lonnymq import (
+    AckStatus,
+    AsyncQueue,
+    ChannelStats,
+    CreateStatus,
+    InvalidArgumentError,
+    Message,
+    NewMessage,
+    Policy,
+    Queue,
+)
+
+LOCK_MS = 60_000
+# How long a message created while its channel was being drained may wait before it is
+# served: the design allows 10 ms; the rest is scheduling slack for a loaded machine.
+PROMPT_S = 0.25
+
+Conn = psycopg.Connection[Any]
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _q(schema: str, template: str) -> sql.Composed:
+    return sql.SQL(template).format(sql.Identifier(schema))
+
+
+def _table_counts(admin: Conn, schema: str, channel: str) -> tuple[int, int]:
+    """(messages, locked messages) of ``channel``, counted from the message table."""
+    row = admin.execute(
+        _q(
+            schema,
+            "SELECT count(*), count(*) FILTER (WHERE is_locked) FROM {}.message WHERE channel = %s",
+        ),
+        [channel],
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def _channel_rows(admin: Conn, schema: str) -> list[str]:
+    return [r[0] for r in admin.execute(_q(schema, "SELECT name FROM {}.channel ORDER BY name"))]
+
+
+def _stranded(admin: Conn, schema: str) -> list[tuple[Any, ...]]:
+    """Channels without a policy that have a waiting message but no row saying they are due
+    by then. The row may say too early, never too late; a dequeue that could not take the
+    channel's exclusive lock may push it at most 10 ms ahead."""
+    return admin.execute(
+        _q(
+            schema,
+            """
+            SELECT m.channel, m.head_at, c.name, c.next_dequeue_at
+            FROM (
+                SELECT channel, min(dequeue_at) AS head_at FROM {0}.message
+                WHERE NOT is_locked GROUP BY channel
+            ) m
+            LEFT JOIN {0}.channel c ON c.name = m.channel
+            WHERE NOT coalesce(c.has_policy, FALSE)
+              AND (c.next_dequeue_at IS NULL
+                   OR c.next_dequeue_at > greatest(m.head_at, {0}.epoch()) + 10)
+            """,
+        )
+    ).fetchall()
+
+
+def _exact(queue: Queue, admin: Conn, channel: str) -> None:
+    """stats() of ``channel`` agrees with the message table."""
+    stats = queue.channel(channel).stats()
+    size, in_flight = _table_counts(admin, queue.schema, channel)
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (size, in_flight)
+
+
+def _drained(queue: Queue, admin: Conn) -> None:
+    """Once drained, nothing is left: the last consumers may have left the channel's row due
+    10 ms later (they could not take its exclusive lock while others were finishing), and the
+    next empty visit after that deletes it."""
+    time.sleep(0.015)
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+    assert queue.stats() == []
+    assert _channel_rows(admin, queue.schema) == []
+
+
+def _served_soon(queue: Queue, want: int | None, *, budget_s: float = PROMPT_S) -> float:
+    """Dequeue until a message comes (bounded); it must be ``want``. Returns the wait."""
+    started = time.monotonic()
+    while True:
+        message = queue.dequeue(lock_ms=LOCK_MS)
+        waited = time.monotonic() - started
+        if message is not None:
+            assert message.id == want
+            message.delete()
+            return waited
+        assert waited < budget_s, f"message {want} stranded for {waited:.3f}s"
+        time.sleep(0.002)
+
+
+class _Background:
+    """``target`` running on a thread; :meth:`join` re-raises what it raised."""
+
+    def __init__(self, target: Callable[[], None]) -> None:
+        self._target = target
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._target()
+        except BaseException as err:  # handed to the test's thread by join()
+            self._errors.append(err)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float = 10) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "thread did not finish"
+        if self._errors:
+            raise self._errors[0]
+
+
+@contextmanager
+def _session(dsn: str) -> Iterator[Conn]:
+    """A connection whose transaction the test commits (or that rolls back at the end)."""
+    with psycopg.connect(dsn) as conn:
+        yield conn
+
+
+# -- ride along --------------------------------------------------------------------------
+
+
+def test_second_session_rides_along_while_the_row_is_held(
+    dsn: str, queue: Queue, admin: Conn
+) -> None:
+    """A holds the channel's row (its dequeue is not committed); B takes the next message at
+    once, and a batch dequeue takes the rest; nobody gets a message twice."""
+    ids = [queue.create(f"m{i}".encode(), channel="hot").id for i in range(5)]
+    with _session(dsn) as session_a:
+        first = queue.dequeue(lock_ms=LOCK_MS, conn=session_a)
+        assert first is not None
+        assert first.id == ids[0]
+        started = time.monotonic()
+        second = queue.dequeue(lock_ms=LOCK_MS)
+        assert time.monotonic() - started < 0.05  # no poll: a policy channel waits ~0.1 s
+        assert second is not None
+        assert second.id == ids[1]
+        rest = queue.dequeue_many(10, lock_ms=LOCK_MS)
+        assert [m.id for m in rest] == ids[2:]
+        assert queue.dequeue(lock_ms=LOCK_MS) is None
+        session_a.commit()
+    attempts = admin.execute(
+        _q(queue.schema, "SELECT id, num_attempts, is_locked FROM {}.message ORDER BY id")
+    ).fetchall()
+    assert attempts == [(i, 1, True) for i in ids]
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+
+
+def test_ride_along_leaves_a_channel_whose_policy_is_being_set(dsn: str, queue: Queue) -> None:
+    """While a policy is being set (it waits for the channel's row, held by A), B does not take
+    messages behind its back: the policy counts the channel exactly once it is in place."""
+    for i in range(4):
+        queue.create(f"m{i}".encode(), channel="hot")
+    with _session(dsn) as session_a:
+        assert queue.dequeue(lock_ms=LOCK_MS, conn=session_a) is not None
+        setter = _Background(lambda: queue.channel("hot").set_policy(max_concurrency=2))
+        time.sleep(0.05)  # the setter now holds the channel's exclusive lock, waiting for A
+        assert setter.is_alive()
+        assert queue.dequeue(lock_ms=LOCK_MS) is None
+        session_a.commit()
+        setter.join()
+    stats = queue.channel("hot").stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (4, 1)
+    assert queue.dequeue(lock_ms=LOCK_MS) is not None
+    assert queue.dequeue(lock_ms=LOCK_MS) is None  # max_concurrency=2 holds
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit", [1, 4])
+def test_many_threads_drain_one_hot_channel_exactly_once(
+    dsn: str, queue: Queue, admin: Conn, limit: int
+) -> None:
+    """Eight consumers on one channel without a policy: every message is taken exactly once,
+    and none of them is told "empty" while the channel still has messages waiting (beyond
+    those the other consumers are taking at that very moment) without being told to retry
+    at once.
+
+    Known gap (see ``test_dequeue_sees_a_channel_served_by_a_newer_session_as_due``): a
+    dequeue whose clock reading is a millisecond behind the one that last served the channel
+    sees it as not yet due and answers empty with ``retry_at`` = now. Those answers are
+    counted apart and must stay a minority."""
+    total, workers = 300, 8
+    queue.create_many([NewMessage(f"m{i}".encode(), channel="hot") for i in range(total)])
+    # At the moment of an empty answer, the other consumers may be locking up to `limit`
+    # messages each (uncommitted, so still counted as waiting); allow twice that.
+    slack = 2 * (workers - 1) * limit
+    lock = threading.Lock()
+    taken: Counter[int] = Counter()
+    attempts: Counter[int] = Counter()
+    false_empties: list[tuple[int, int | None, int]] = []
+    retry_now: list[int] = []
+    calls = Counter[str]()
+    deadline = time.monotonic() + 20
+
+    def consume() -> None:
+        with psycopg.connect(dsn, autocommit=True) as probe:
+            while time.monotonic() < deadline:
+                with lock:
+                    if sum(taken.values()) >= total:
+                        return
+                batch = queue.dequeue_batch(limit, lock_ms=LOCK_MS)
+                messages = batch.messages
+                with lock:
+                    calls["dequeue"] += 1
+                if not messages:
+                    row = probe.execute(
+                        _q(
+                            queue.schema,
+                            "SELECT count(*), {0}.epoch() FROM {0}.message WHERE NOT is_locked",
+                        )
+                    ).fetchone()
+                    assert row is not None
+                    waiting, now = int(row[0]), int(row[1])
+                    if waiting > slack:
+                        with lock:
+                            if batch.retry_at is not None and batch.retry_at <= now:
+                                retry_now.append(waiting)
+                            else:
+                                false_empties.append((waiting, batch.retry_at, now))
+                    time.sleep(0.001)
+                    continue
+                with lock:
+                    taken.update(m.id for m in messages)
+                    attempts.update(m.num_attempts for m in messages)
+                assert queue.delete_many(messages) == [AckStatus.OK] * len(messages)
+
+    threads = [_Background(consume) for _ in range(workers)]
+    for thread in threads:
+        thread.join(timeout=30)
+    assert false_empties == []
+    # Without riding along, most of the answers would be empty while others hold the row.
+    assert len(retry_now) <= calls["dequeue"] // 4, (retry_now, calls)
+    assert len(taken) == total
+    assert set(taken.values()) == {1}
+    assert attempts == Counter({1: total})
+    _drained(queue, admin)
+
+
+def test_dequeue_sees_a_channel_served_by_a_newer_session_as_due(dsn: str, queue: Queue) -> None:
+    """B's transaction started 20 ms before A's dequeue served ``hot``; B's dequeue must still
+    take one of the four messages waiting there. (In autocommit the same happens whenever A's
+    clock reading is a millisecond ahead of B's.)"""
+    for i in range(5):
+        queue.create(f"m{i}".encode(), channel="hot")
+    with _session(dsn) as session_b:
+        session_b.execute("SELECT 1")  # B's transaction, and its clock, start here
+        time.sleep(0.02)
+        assert queue.dequeue(lock_ms=LOCK_MS) is not None  # A, autocommit
+        batch = queue.dequeue_batch(1, lock_ms=LOCK_MS, conn=session_b)
+        assert [m.content for m in batch.messages] == [b"m1"], batch
+
+
+# -- a create racing the dequeue of the channel's last message ----------------------------
+
+
+def _write(queue: Queue, op: str, channel: str, held: Message | None, conn: Conn) -> int:
+    """Make one message of ``channel`` wait, in ``conn``'s transaction: create it, create it
+    in a batch, or give back ``held``. Returns its id."""
+    if op == "create":
+        result = queue.create(b"new", channel=channel, conn=conn)
+        assert result.id is not None
+        return result.id
+    if op == "create_many":
+        (result,) = queue.create_many([NewMessage(b"new", channel=channel)], conn=conn)
+        assert result.id is not None
+        return result.id
+    assert held is not None
+    held.defer(conn=conn)
+    return held.id
+
+
+@pytest.mark.parametrize("op", ["create", "create_many", "defer"])
+@pytest.mark.parametrize("order", ["take_then_write", "write_then_take", "interleaved"])
+def test_message_written_while_the_last_one_is_taken_is_never_stranded(
+    dsn: str, queue: Queue, admin: Conn, op: str, order: str
+) -> None:
+    """A takes the last waiting message of ``c`` (its dequeue finds the channel drained and
+    would drop or push back the channel's row) while B makes a new message wait in ``c``.
+    Whatever the order of their commits, the new message is served right after."""
+    held: Message | None = None
+    if op == "defer":
+        queue.create(b"held", channel="c")
+        held = queue.dequeue(lock_ms=LOCK_MS)
+        assert held is not None
+    last = queue.create(b"last", channel="c").id
+
+    with _session(dsn) as session_a, _session(dsn) as session_b:
+
+        def take() -> None:
+            message = queue.dequeue(lock_ms=LOCK_MS, conn=session_a)
+            assert message is not None
+            assert message.id == last
+
+        new_id: list[int] = []
+        if order == "take_then_write":
+            # A commits first; B may wait for A's hold on the channel meanwhile.
+            take()
+            writer = _Background(lambda: new_id.append(_write(queue, op, "c", held, session_b)))
+            time.sleep(0.02)
+            session_a.commit()
+            writer.join()
+            session_b.commit()
+        elif order == "write_then_take":
+            new_id.append(_write(queue, op, "c", held, session_b))
+            take()
+            session_a.commit()
+            session_b.commit()
+        else:
+            # B writes, A takes, B commits before A.
+            new_id.append(_write(queue, op, "c", held, session_b))
+            taker = _Background(take)
+            time.sleep(0.02)
+            session_b.commit()
+            taker.join()
+            session_a.commit()
+
+    assert _stranded(admin, queue.schema) == []
+    _served_soon(queue, new_id[0])
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+
+
+def test_create_in_a_long_transaction_is_served_promptly_after_commit(
+    dsn: str, queue: Queue, admin: Conn
+) -> None:
+    """B creates in ``c`` and keeps its transaction open while three consumers drain ``c`` and
+    then keep polling it; once B commits, the message is taken promptly."""
+    ids = {queue.create(f"m{i}".encode(), channel="c").id for i in range(30)}
+    stop = threading.Event()
+    lock = threading.Lock()
+    taken: dict[int, float] = {}
+
+    def consume() -> None:
+        while not stop.is_set():
+            message = queue.dequeue(lock_ms=LOCK_MS)
+            if message is None:
+                time.sleep(0.001)
+                continue
+            with lock:
+                taken[message.id] = time.monotonic()
+            message.delete()
+
+    with _session(dsn) as session_b:
+        created = queue.create(b"late", channel="c", conn=session_b)
+        assert created.id is not None
+        consumers = [_Background(consume) for _ in range(3)]
+        try:
+            time.sleep(0.2)  # drained long before: the consumers now poll an empty channel
+            with lock:
+                assert set(taken) == ids
+            committed_at = time.monotonic()
+            session_b.commit()
+            while created.id not in taken and time.monotonic() < committed_at + 2:
+                time.sleep(0.002)
+        finally:
+            stop.set()
+            for consumer in consumers:
+                consumer.join()
+    assert created.id in taken
+    assert taken[created.id] - committed_at < PROMPT_S
+    _drained(queue, admin)
+
+
+# -- setting a policy on a live channel ----------------------------------------------------
+
+
+def test_policy_set_on_a_live_channel_counts_it_exactly(queue: Queue, admin: Conn) -> None:
+    channel = queue.channel("live")
+    for i in range(6):
+        channel.create(f"m{i}".encode())
+    held = queue.dequeue_many(3, lock_ms=LOCK_MS)
+    assert len(held) == 3
+    assert [(s.channel, s.size, s.in_flight) for s in queue.stats()] == [("live", 6, 3)]
+
+    channel.set_policy(max_concurrency=2, max_size=7)
+    assert queue.stats() == [
+        ChannelStats(
+            "live",
+            size=6,
+            in_flight=3,
+            next_dequeue_at=queue.stats()[0].next_dequeue_at,
+            policy=Policy(max_concurrency=2, max_size=7),
+        )
+    ]
+    _exact(queue, admin, "live")
+    # Three in flight, limit two: nothing until two of them finish.
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+    held[0].delete()
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+    held[1].delete()
+    _exact(queue, admin, "live")
+    again = queue.dequeue(lock_ms=LOCK_MS)
+    assert again is not None
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+    # max_size counts what is there: 4 now, room for 3 more.
+    results = [channel.create(b"more").status for _ in range(4)]
+    assert results == [CreateStatus.CREATED] * 3 + [CreateStatus.DROPPED]
+    held[2].delete()
+    again.delete()
+    _exact(queue, admin, "live")
+    stats = channel.stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (5, 0)
+
+    # Clear, work without counters, set again: counted afresh, exactly.
+    channel.clear_policy()
+    moving = queue.dequeue_many(2, lock_ms=LOCK_MS)
+    assert len(moving) == 2
+    assert channel.create(b"free").channel_size is None
+    _exact(queue, admin, "live")
+    channel.set_policy(max_concurrency=2, max_size=100)
+    _exact(queue, admin, "live")
+    stats = channel.stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (6, 2)
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+    assert queue.delete_many(moving) == [AckStatus.OK, AckStatus.OK]
+    _exact(queue, admin, "live")
+    assert len(queue.dequeue_many(10, lock_ms=LOCK_MS)) == 2
+    _exact(queue, admin, "live")
+
+
+@pytest.mark.slow
+def test_policy_set_and_cleared_amid_traffic_keeps_counters_exact(
+    queue: Queue, admin: Conn
+) -> None:
+    """Creates, dequeues and deletes run on other threads while the policy is set, cleared and
+    set again: after each setting settles, the counters equal the message table."""
+    channel = queue.channel("busy")
+    stop = threading.Event()
+
+    def produce() -> None:
+        while not stop.is_set():
+            channel.create(b"p")
+            time.sleep(0.001)
+
+    def consume() -> None:
+        while not stop.is_set():
+            messages = queue.dequeue_many(3, lock_ms=LOCK_MS)
+            time.sleep(0.002)
+            if messages:
+                queue.delete_many(messages[:2])  # the rest stays in flight
+
+    for i in range(40):
+        channel.create(f"m{i}".encode())
+    workers = [
+        _Background(produce),
+        _Background(produce),
+        _Background(consume),
+        _Background(consume),
+    ]
+    try:
+        for _ in range(3):
+            time.sleep(0.1)
+            channel.set_policy(max_size=1_000_000)
+            time.sleep(0.1)
+            channel.clear_policy()
+            time.sleep(0.05)
+            channel.set_policy(max_concurrency=1_000_000, max_size=1_000_000)
+            time.sleep(0.1)
+            channel.clear_policy()
+        channel.set_policy(max_concurrency=1_000_000, max_size=1_000_000)
+        time.sleep(0.1)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+    size, in_flight = _table_counts(admin, queue.schema, "busy")
+    assert in_flight > 0
+    stats = channel.stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (size, in_flight)
+    raw = admin.execute(
+        _q(
+            queue.schema, "SELECT current_size, current_concurrency FROM {}.channel WHERE name = %s"
+        ),
+        ["busy"],
+    ).fetchone()
+    assert raw == (size, in_flight)
+
+
+@pytest.mark.parametrize("policy", [True, False], ids=["policy", "no_policy"])
+def test_policy_set_while_a_transaction_dequeues_and_deletes(
+    dsn: str, queue: Queue, policy: bool
+) -> None:
+    """S dequeues and finishes the message in one caller transaction (the transactional
+    worker pattern) while an operator sets the channel's policy: both must succeed."""
+    if policy:
+        queue.channel("x").set_policy(max_concurrency=5)
+    queue.create(b"a", channel="x")
+    queue.create(b"b", channel="x")
+    with _session(dsn) as session:
+        message = queue.dequeue(lock_ms=LOCK_MS, conn=session)
+        assert message is not None
+        setter = _Background(lambda: queue.channel("x").set_policy(max_concurrency=3))
+        time.sleep(0.05)  # the setter waits for the channel, which S holds
+        try:
+            message.delete(conn=session)
+            session.commit()
+        finally:
+            setter.join()
+    stats = queue.channel("x").stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight, stats.policy) == (1, 0, Policy(max_concurrency=3))
+
+
+# -- complete_and_dequeue -------------------------------------------------------------------
+
+
+def _ids(admin: Conn, schema: str) -> list[int]:
+    return [r[0] for r in admin.execute(_q(schema, "SELECT id FROM {}.message ORDER BY id"))]
+
+
+def test_complete_and_dequeue_finishes_then_takes(queue: Queue, admin: Conn) -> None:
+    ids = [queue.create(f"m{i}".encode(), channel="c").id for i in range(4)]
+    first = queue.dequeue(lock_ms=LOCK_MS)
+    assert first is not None
+    batch = queue.complete_and_dequeue([first], 2, lock_ms=LOCK_MS)
+    assert batch.completed == [AckStatus.OK]
+    assert [(m.id, m.content, m.num_attempts) for m in batch.messages] == [
+        (ids[1], b"m1", 1),
+        (ids[2], b"m2", 1),
+    ]
+    assert batch.retry_at is None
+    assert _ids(admin, queue.schema) == ids[1:]
+    # The default limit is one.
+    following = queue.complete_and_dequeue(batch.messages, lock_ms=LOCK_MS)
+    assert following.completed == [AckStatus.OK, AckStatus.OK]
+    assert [m.id for m in following.messages] == [ids[3]]
+    assert _ids(admin, queue.schema) == [ids[3]]
+    # Nothing to finish: a plain dequeue.
+    nothing = queue.complete_and_dequeue([], lock_ms=LOCK_MS)
+    assert (nothing.completed, nothing.messages) == ([], [])
+
+
+def test_complete_and_dequeue_frees_the_slot_it_takes_again(queue: Queue) -> None:
+    """With max_concurrency=1, finishing the held message lets the same call take the next."""
+    queue.channel("one").set_policy(max_concurrency=1)
+    for i in range(3):
+        queue.create(f"m{i}".encode(), channel="one")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+    batch = queue.complete_and_dequeue([held], 5, lock_ms=LOCK_MS)
+    assert batch.completed == [AckStatus.OK]
+    assert [m.content for m in batch.messages] == [b"m1"]
+    stats = queue.channel("one").stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (2, 1)
+
+
+def test_complete_and_dequeue_reports_each_status_in_order(queue: Queue, admin: Conn) -> None:
+    queue.create(b"stale", channel="a")
+    stale = queue.dequeue(lock_ms=1_000)
+    assert stale is not None
+    queue.set_clock_offset(2_000)  # its lock expired: recovered by the next dequeue
+    fresh = queue.dequeue(lock_ms=LOCK_MS)
+    assert fresh is not None
+    assert (fresh.id, fresh.num_attempts) == (stale.id, 2)
+    queue.create(b"done", channel="b")
+    done = queue.dequeue(lock_ms=LOCK_MS)
+    assert done is not None
+    queue.create(b"gone", channel="b")
+    gone = queue.dequeue(lock_ms=LOCK_MS)
+    assert gone is not None
+    gone.delete()
+    queue.create(b"next", channel="b")
+
+    batch = queue.complete_and_dequeue([stale, done, gone], 3, lock_ms=LOCK_MS)
+    assert batch.completed == [AckStatus.STALE, AckStatus.OK, AckStatus.NOT_FOUND]
+    assert [m.content for m in batch.messages] == [b"next"]
+    # The stale claim changed nothing: the fresh holder still has it.
+    row = admin.execute(
+        _q(queue.schema, "SELECT is_locked, num_attempts FROM {}.message WHERE id = %s"),
+        [stale.id],
+    ).fetchone()
+    assert row == (True, 2)
+    fresh.delete()
+
+
+@pytest.mark.parametrize(
+    "bad", [{"limit": 0}, {"limit": 10_001}, {"lock_ms": 0}], ids=["limit0", "limit_big", "lock0"]
+)
+def test_complete_and_dequeue_refusal_changes_nothing(
+    queue: Queue, admin: Conn, bad: dict[str, int]
+) -> None:
+    for i in range(2):
+        queue.create(f"m{i}".encode(), channel="c")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    before = admin.execute(
+        _q(queue.schema, "SELECT id, is_locked, num_attempts FROM {}.message ORDER BY id")
+    ).fetchall()
+    args: dict[str, int] = {"limit": 1, "lock_ms": LOCK_MS, **bad}
+    with pytest.raises(InvalidArgumentError):
+        queue.complete_and_dequeue([held], args["limit"], lock_ms=args["lock_ms"])
+    # The database refuses on its own too (the Python checks bypassed).
+    with pytest.raises(InvalidArgumentError):
+        queue._fetch(
+            "message_complete_and_dequeue",
+            {"ids": [held.id], "num_attempts": [held.num_attempts], **args},
+            None,
+        )
+    after = admin.execute(
+        _q(queue.schema, "SELECT id, is_locked, num_attempts FROM {}.message ORDER BY id")
+    ).fetchall()
+    assert after == before
+    assert queue.complete_and_dequeue([held], lock_ms=LOCK_MS).completed == [AckStatus.OK]
+
+
+def test_complete_and_dequeue_says_when_to_retry(queue: Queue) -> None:
+    now = queue.now()
+    queue.create(b"now", channel="c")
+    queue.create(b"later", channel="c", dequeue_at=now + 60_000)
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    batch = queue.complete_and_dequeue([held], 10, lock_ms=LOCK_MS)
+    assert batch.completed == [AckStatus.OK]
+    assert (batch.messages, batch.retry_at) == ([], now + 60_000)
+
+
+def test_complete_and_dequeue_in_the_callers_transaction(dsn: str, queue: Queue) -> None:
+    ids = [queue.create(f"m{i}".encode(), channel="c").id for i in range(3)]
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    with _session(dsn) as conn:
+        batch = queue.complete_and_dequeue([held], lock_ms=LOCK_MS, conn=conn)
+        assert batch.completed == [AckStatus.OK]
+        assert [m.id for m in batch.messages] == [ids[1]]
+        conn.rollback()
+    # Rolled back: the held message is still held, the next one still waiting.
+    stats = queue.channel("c").stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (3, 1)
+    with queue.transaction() as conn:
+        batch = queue.complete_and_dequeue([held], lock_ms=LOCK_MS, conn=conn)
+        assert [m.id for m in batch.messages] == [ids[1]]
+    stats = queue.channel("c").stats()
+    assert stats is not None
+    assert (stats.size, stats.in_flight) == (2, 1)
+
+
+def test_complete_and_dequeue_archives_as_completed(
+    make_queue: Callable[..., Queue], admin: Conn, schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    created = queue.create(b"payload", channel="a")
+    queue.create(b"next", channel="a")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    batch = queue.complete_and_dequeue([held], lock_ms=LOCK_MS)
+    assert [m.content for m in batch.messages] == [b"next"]
+    rows = admin.execute(
+        _q(schema_name, "SELECT id, content, outcome, error FROM {}.archive ORDER BY id")
+    ).fetchall()
+    assert [(r[0], bytes(r[1]), r[2], r[3]) for r in rows] == [
+        (created.id, b"payload", "completed", None)
+    ]
+
+
+def test_complete_and_dequeue_on_the_async_queue(dsn: str, schema_name: str) -> None:
+    async def run() -> None:
+        async with AsyncQueue(dsn, schema=schema_name) as queue:
+            await queue.install()
+            for i in range(3):
+                await queue.create(f"m{i}".encode(), channel="c")
+            held = await queue.dequeue(lock_ms=LOCK_MS)
+            assert held is not None
+            batch = await queue.complete_and_dequeue([held], 5, lock_ms=LOCK_MS)
+            assert batch.completed == [AckStatus.OK]
+            assert [m.content for m in batch.messages] == [b"m1", b"m2"]
+            with pytest.raises(InvalidArgumentError):
+                await queue.complete_and_dequeue(batch.messages, 0, lock_ms=LOCK_MS)
+            last = await queue.complete_and_dequeue(batch.messages, lock_ms=LOCK_MS)
+            assert last.completed == [AckStatus.OK, AckStatus.OK]
+            assert (last.messages, last.retry_at) == ([], None)
+            assert await queue.stats() == []
+
+    asyncio.run(run())
+
+
+# -- channel rows ---------------------------------------------------------------------------
+
+
+def test_drained_policy_free_channels_leave_no_rows(queue: Queue, admin: Conn) -> None:
+    """Per-user channels: each round creates in 50 channels and drains them; the channel table
+    is empty after every round (only a channel with a policy keeps its row)."""
+    queue.channel("kept").set_policy(max_concurrency=5)
+    for round_ in range(3):
+        queue.create_many(
+            [NewMessage(f"{round_}".encode(), channel=f"user-{round_}-{u}") for u in range(50)]
+        )
+        queue.create(b"k", channel="kept")
+        assert len(_channel_rows(admin, queue.schema)) == 51
+        drained = 0
+        while batch := queue.dequeue_many(7, lock_ms=LOCK_MS):
+            drained += len(batch)
+            queue.delete_many(batch)
+        assert drained == 51
+        assert _channel_rows(admin, queue.schema) == ["kept"]
+    assert [s.channel for s in queue.stats()] == ["kept"]
+
+
+def test_stats_lists_a_channel_with_only_messages_in_flight(queue: Queue, admin: Conn) -> None:
+    queue.create(b"x", channel="x")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    assert _channel_rows(admin, queue.schema) == []  # nothing waiting: the row is gone
+    assert queue.stats() == [
+        ChannelStats("x", size=1, in_flight=1, next_dequeue_at=None, policy=Policy())
+    ]
+    assert queue.dequeue_batch(1, lock_ms=LOCK_MS).retry_at == held.unlock_at
+    held.defer()
+    assert _stranded(admin, queue.schema) == []
+    again = queue.dequeue(lock_ms=LOCK_MS)
+    assert again is not None
+    assert again.id == held.id
+    again.delete()
+    assert queue.stats() == []
+    assert _channel_rows(admin, queue.schema) == []
