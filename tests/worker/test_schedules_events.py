@@ -80,6 +80,16 @@ def test_a_stale_driver_holder_fires_nothing(make_queue: Callable[..., Queue]) -
     assert [s.size for s in jobs] == [1]
 
 
+def test_garbage_in_the_schedule_channel_is_failed_not_looped(
+    make_queue: Callable[..., Queue],
+) -> None:
+    queue = make_queue()
+    queue.create(b"not a spec", channel=SCHEDULE_CHANNEL)
+    stats = Worker(queue, lambda m: None).run(handle_signals=False, until_idle=True)
+    assert stats.failed == 1
+    assert queue.stats() == []
+
+
 def test_schedule_update_list_and_remove(make_queue: Callable[..., Queue]) -> None:
     queue = make_queue()
     assert queue.schedule("a", cron="0 * * * *", content=b"1") is True

@@ -38,7 +38,6 @@ from ..errors import (
 )
 from ..metrics import WorkerMetrics
 from ..queue import Message, Queue
-from ..schedule import SCHEDULE_CHANNEL
 from . import _policy
 from ._async import AsyncWorker
 from ._policy import Action, Backoff, Decision, WorkerOptions, WorkerStats, error_text
@@ -291,10 +290,14 @@ class Worker:
         """The one place that finishes, retries or fires a message."""
         action = decision.action
         if action is Action.FIRE:
-            if message.channel == SCHEDULE_CHANNEL:
+            try:
                 firing = self.queue.fire_schedule(message)
-                if firing.fire_at is not None:
-                    self._count("fired", message.channel)
+            except InvalidArgumentError as err:  # not a driver: it would come back forever
+                message.fail(error=f"not a schedule driver: {err}")
+                self._count("failed", message.channel)
+                return
+            if firing.fire_at is not None:
+                self._count("fired", message.channel)
             return
         if action is Action.COMPLETE:
             message.delete()

@@ -254,7 +254,12 @@ class AsyncWorker:
         """The one place that finishes, retries or fires a message."""
         action = decision.action
         if action is Action.FIRE:
-            firing = await self.queue.fire_schedule(message)
+            try:
+                firing = await self.queue.fire_schedule(message)
+            except InvalidArgumentError as err:  # not a driver: it would come back forever
+                await message.fail(error=f"not a schedule driver: {err}")
+                self._count("failed", message.channel)
+                return
             if firing.fire_at is not None:
                 self._count("fired", message.channel)
             return
