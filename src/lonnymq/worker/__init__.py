@@ -31,7 +31,7 @@ import psycopg
 
 from .. import events as _events
 from ..errors import (
-    DatabaseUnavailableError,
+    DatabaseError,
     InvalidArgumentError,
     LonnyMQError,
     StaleMessageError,
@@ -176,10 +176,10 @@ class Worker:
                 batch = self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
                 idle = until_idle and not batch.messages and self._idle(batch.retry_at)
                 failures = 0
-            except DatabaseUnavailableError as err:
+            except DatabaseError as err:
                 failures += 1
                 delay = _policy.reconnect_delay(failures)
-                log.warning("database unavailable (%s); retrying in %.1fs", err, delay)
+                log.warning("dequeue failed (%s); retrying in %.1fs", err, delay)
                 self._stopping.wait(delay)
                 continue
             for message in batch.messages:
@@ -274,16 +274,16 @@ class Worker:
             self._wake.set()
 
     def _apply_with_retries(self, message: Message, decision: Decision) -> None:
-        """Report the outcome, riding out a lost connection (the pool reconnects)."""
+        """Report the outcome, riding out a lost connection (the pool reconnects) or a deadlock."""
         for attempt in range(1, REPORT_TRIES + 1):
             try:
                 self._apply(message, decision)
                 return
-            except DatabaseUnavailableError as err:
+            except DatabaseError as err:
                 if attempt == REPORT_TRIES:
                     raise
                 delay = _policy.reconnect_delay(attempt)
-                log.warning("database unavailable (%s); reporting again in %.1fs", err, delay)
+                log.warning("report failed (%s); trying again in %.1fs", err, delay)
                 time.sleep(delay)
 
     def _apply(self, message: Message, decision: Decision) -> None:

@@ -18,7 +18,7 @@ import psycopg
 
 from .. import events as _events
 from ..errors import (
-    DatabaseUnavailableError,
+    DatabaseError,
     InvalidArgumentError,
     LonnyMQError,
     StaleMessageError,
@@ -150,10 +150,10 @@ class AsyncWorker:
                 batch = await self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
                 idle = until_idle and not batch.messages and await self._idle(batch.retry_at)
                 failures = 0
-            except DatabaseUnavailableError as err:
+            except DatabaseError as err:
                 failures += 1
                 delay = _policy.reconnect_delay(failures)
-                log.warning("database unavailable (%s); retrying in %.1fs", err, delay)
+                log.warning("dequeue failed (%s); retrying in %.1fs", err, delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), delay)
                 continue
@@ -243,11 +243,11 @@ class AsyncWorker:
             try:
                 await self._apply(message, decision)
                 return
-            except DatabaseUnavailableError as err:
+            except DatabaseError as err:
                 if attempt == 5:
                     raise
                 delay = _policy.reconnect_delay(attempt)
-                log.warning("database unavailable (%s); reporting again in %.1fs", err, delay)
+                log.warning("report failed (%s); trying again in %.1fs", err, delay)
                 await asyncio.sleep(delay)
 
     async def _apply(self, message: AsyncMessage, decision: Decision) -> None:
