@@ -4,25 +4,36 @@ Every option has an environment twin: ``--some-option`` is ``LONNYMQ_SOME_OPTION
 example ``--dsn`` / ``LONNYMQ_DSN``, ``--concurrency`` / ``LONNYMQ_CONCURRENCY``). Without a
 DSN the embedded PostgreSQL is used.
 
-Exit codes: 0 success, 1 the operation failed (a lonnymq error), 2 bad usage.
+Output is a rich table when standard output is a terminal and plain text otherwise; ``--json``
+prints one JSON object per line for scripts. Long work shows a progress bar on a terminal.
+
+Exit codes: 0 success, 1 the operation failed (a lonnymq error), 2 bad usage, 3 the thing named
+does not exist (``schedule remove`` of an unknown schedule).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from . import migrate
 from .errors import InvalidArgumentError, LonnyMQError
+from .metrics import JsonFormatter, MetricsServer, OperationStats, WorkerMetrics
 from .queue import Queue
-from .types import NewMessage
+from .queue_async import AsyncQueue
+from .types import ChannelStats, NewMessage
+from .worker import AsyncWorker, Backoff, Worker, WorkerStats
+
+EXIT_NOT_FOUND = 3
 
 __all__ = ["main"]
 
@@ -111,9 +122,59 @@ def _parser() -> argparse.ArgumentParser:
     _option(worker, "max-attempts", "attempts before a message fails for good", type=int, default=5)
     _option(worker, "dead-letter-channel", "move messages that fail for good here")
     _option(worker, "grace-s", "seconds running handlers get on SIGTERM", type=float, default=30.0)
+    _option(worker, "heartbeat-ms", "lock renewal period (default lock-ms / 3)", type=int)
+    _option(worker, "backoff-base-ms", "first retry delay", type=int, default=1_000)
+    _option(worker, "backoff-max-ms", "longest retry delay", type=int, default=300_000)
+    _option(worker, "backoff-factor", "retry delay growth per attempt", type=float, default=2.0)
+    worker.add_argument(
+        "--no-jitter", action="store_true", help="exact retry delays (default: randomised)"
+    )
+    _option(worker, "metrics-port", "serve Prometheus metrics on this port (0: any)", type=int)
+    _option(worker, "log-format", "text or json (one JSON object per line)", default="text")
+    worker.add_argument(
+        "--asyncio",
+        action="store_true",
+        help="run an AsyncWorker (coroutine handlers as tasks, others in threads)",
+    )
     worker.add_argument(
         "--until-idle", action="store_true", help="exit once nothing is waiting or running"
     )
+
+    top = commands.add_parser(
+        "top", help="live per-channel view: size, in flight, net rate, next dequeue"
+    )
+    _option(top, "interval", "seconds between refreshes", type=float, default=1.0)
+    _option(top, "iterations", "stop after this many refreshes (default: until Ctrl-C)", type=int)
+    top.add_argument("--json", action="store_true", help="print JSON lines per refresh")
+
+    schedule = commands.add_parser("schedule", help="add, list or remove periodic schedules")
+    schedule_commands = schedule.add_subparsers(dest="schedule_command", required=True)
+    schedule_add = schedule_commands.add_parser("add", help="create or update a schedule")
+    schedule_add.add_argument("name")
+    schedule_add.add_argument("--cron", required=True, help='five fields, UTC: "*/5 * * * *"')
+    _option(schedule_add, "channel", "channel the task messages go to")
+    schedule_add.add_argument("--content", default="", help="task message content (UTF-8)")
+    schedule_list = schedule_commands.add_parser("list", help="list schedules")
+    schedule_list.add_argument("--json", action="store_true", help="print JSON lines")
+    schedule_remove = schedule_commands.add_parser("remove", help="remove a schedule")
+    schedule_remove.add_argument("name")
+
+    archive = commands.add_parser("archive", help="inspect finished messages, replay failures")
+    archive_commands = archive.add_subparsers(dest="archive_command", required=True)
+    archive_list = archive_commands.add_parser("list", help="archived messages, newest first")
+    _option(archive_list, "outcome", "only this outcome (completed, failed)")
+    _option(archive_list, "channel", "only this channel")
+    _option(archive_list, "limit", "at most this many", type=int, default=20)
+    archive_list.add_argument("--json", action="store_true", help="print JSON lines")
+    archive_replay = archive_commands.add_parser(
+        "replay", help="create archived messages again (each at most once)"
+    )
+    archive_replay.add_argument("ids", nargs="*", type=int, help="archive ids")
+    archive_replay.add_argument(
+        "--failed", action="store_true", help="every failed message not replayed yet"
+    )
+    _option(archive_replay, "channel", "with --failed: only this channel")
+    archive_replay.add_argument("--json", action="store_true", help="print JSON lines")
 
     bench = commands.add_parser(
         "bench", help="measure lonnymq against a raw SKIP LOCKED queue (same server, one run)"
@@ -139,6 +200,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LonnyMQError as err:
         print(f"lonnymq: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _tty() -> bool:
+    return sys.stdout.isatty()
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> None:
+    """A rich table on a terminal, aligned plain text otherwise."""
+    if _tty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(*headers)
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+        return
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    for line in [headers, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+
+
+class _Progress:
+    """A progress bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, description: str, total: int) -> None:
+        self._bar: Any = None
+        if sys.stderr.isatty() and total > 0:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self._bar = Progress(console=Console(stderr=True), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(description, total=total)
+
+    def advance(self, n: int) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -204,6 +309,7 @@ def _create(q: Queue, args: argparse.Namespace) -> int:
     if args.dedup_key is not None and len(contents) != 1:
         raise InvalidArgumentError("--dedup-key applies to exactly one message")
     counts: dict[str, int] = {}
+    progress = _Progress("creating", len(contents) if len(contents) > 1000 else 0)
     for start in range(0, len(contents), 1000):
         chunk = [
             NewMessage(c, channel=args.channel, dequeue_at=at, dedup_key=args.dedup_key)
@@ -213,6 +319,8 @@ def _create(q: Queue, args: argparse.Namespace) -> int:
             counts[result.status] = counts.get(result.status, 0) + 1
             if args.json:
                 print(json.dumps(asdict(result)))
+        progress.advance(len(chunk))
+    progress.close()
     if not args.json:
         print(", ".join(f"{n} {status}" for status, n in counts.items()) or "nothing to create")
     return 0
@@ -242,7 +350,6 @@ def _policy(q: Queue, args: argparse.Namespace) -> int:
 
 
 def _worker(q: Queue, args: argparse.Namespace) -> int:
-    from .worker import Worker
 
     module_name, _, function_name = args.handler.partition(":")
     if not module_name or not function_name:
@@ -251,17 +358,248 @@ def _worker(q: Queue, args: argparse.Namespace) -> int:
         handler = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as err:
         raise InvalidArgumentError(f"cannot load handler {args.handler!r}: {err}") from err
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    stats = Worker(
-        q,
-        handler,
-        concurrency=args.concurrency,
-        lock_ms=args.lock_ms,
-        max_attempts=args.max_attempts,
-        dead_letter_channel=args.dead_letter_channel,
-        grace_s=args.grace_s,
-    ).run(until_idle=args.until_idle)
+    if args.log_format not in ("text", "json"):
+        raise InvalidArgumentError(f"--log-format must be text or json, got {args.log_format!r}")
+    handler_out = logging.StreamHandler()
+    if args.log_format == "json":
+        handler_out.setFormatter(JsonFormatter())
+    else:
+        handler_out.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler_out], force=True)
+    options: dict[str, Any] = {
+        "concurrency": args.concurrency,
+        "lock_ms": args.lock_ms,
+        "heartbeat_ms": args.heartbeat_ms,
+        "max_attempts": args.max_attempts,
+        "backoff": Backoff(
+            base_ms=args.backoff_base_ms,
+            max_ms=args.backoff_max_ms,
+            factor=args.backoff_factor,
+            jitter=not args.no_jitter,
+        ),
+        "dead_letter_channel": args.dead_letter_channel,
+        "grace_s": args.grace_s,
+        "metrics": WorkerMetrics(),
+    }
+    # Where the SQL operation counts come from: the queue the worker runs on.
+    operations: list[Callable[[], list[OperationStats]]] = [q.operation_stats]
+    server = None
+    if args.metrics_port is not None:
+        metrics: WorkerMetrics = options["metrics"]
+        # A scrape reads the queue on its own connection (a second queue): the worker's pool
+        # may be async, and a scrape must not take a worker's connection.
+        with Queue(q.dsn, schema=q.schema, pool_size=1) as scraper:
+            server = MetricsServer(
+                lambda: metrics.render(
+                    operations[0](),
+                    [(s.channel, s.size, s.in_flight) for s in scraper.stats()],
+                ),
+                port=args.metrics_port,
+            )
+            logging.getLogger("lonnymq.worker").info(
+                "metrics on http://127.0.0.1:%s/metrics", server.port
+            )
+            try:
+                stats = _run_worker(q, handler, options, args, operations)
+            finally:
+                server.close()
+    else:
+        stats = _run_worker(q, handler, options, args, operations)
     print(json.dumps(asdict(stats)))
+    return 0
+
+
+def _run_worker(
+    q: Queue,
+    handler: Callable[..., Any],
+    options: dict[str, Any],
+    args: argparse.Namespace,
+    operations: list[Callable[[], list[OperationStats]]],
+) -> WorkerStats:
+    if not args.asyncio:
+        return Worker(q, handler, **options).run(until_idle=args.until_idle)
+
+    async def run_async() -> WorkerStats:
+        async with AsyncQueue(q.dsn, schema=q.schema) as aq:
+            operations[0] = aq.operation_stats
+            return await AsyncWorker(aq, handler, **options).run(until_idle=args.until_idle)
+
+    return asyncio.run(run_async())
+
+
+def _top(q: Queue, args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise InvalidArgumentError(f"--interval must be > 0, got {args.interval}")
+    previous: dict[str, int] = {}
+    last = time.monotonic()
+    done = 0
+    live: Any = None
+    if _tty() and not args.json:
+        from rich.live import Live
+
+        live = Live(auto_refresh=False)
+        live.start()
+    try:
+        while args.iterations is None or done < args.iterations:
+            rows = q.stats()
+            now_ms = q.now()
+            elapsed = time.monotonic() - last
+            last = time.monotonic()
+            view = [_top_row(r, previous, elapsed, now_ms) for r in rows]
+            previous = {r.channel: r.size for r in rows}
+            done += 1
+            if args.json:
+                for row in view:
+                    print(json.dumps(row), flush=True)
+            elif live is not None:
+                live.update(_top_table(view), refresh=True)
+            else:
+                print(f"-- {time.strftime('%H:%M:%S')}")
+                _print_top(view)
+            if args.iterations is None or done < args.iterations:
+                time.sleep(args.interval)
+    finally:
+        if live is not None:
+            live.stop()
+    return 0
+
+
+def _top_row(
+    row: ChannelStats, previous: dict[str, int], elapsed: float, now_ms: int
+) -> dict[str, Any]:
+    before = previous.get(row.channel)
+    rate = None if before is None or elapsed <= 0 else (before - row.size) / elapsed
+    return {
+        "channel": row.channel,
+        "size": row.size,
+        "in_flight": row.in_flight,
+        # Net messages leaving per second (negative: the channel grows).
+        "rate": None if rate is None else round(rate, 2),
+        "next_dequeue_in_ms": (
+            None if row.next_dequeue_at is None else max(0, row.next_dequeue_at - now_ms)
+        ),
+        "policy": asdict(row.policy),
+    }
+
+
+def _top_cells(view: list[dict[str, Any]]) -> list[list[str]]:
+    def text(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    return [
+        [
+            v["channel"],
+            str(v["size"]),
+            str(v["in_flight"]),
+            text(v["rate"]),
+            text(v["next_dequeue_in_ms"]),
+            _policy_text(v["policy"]),
+        ]
+        for v in view
+    ]
+
+
+TOP_HEADERS = ["channel", "size", "in flight", "rate/s", "next in ms", "policy"]
+
+
+def _print_top(view: list[dict[str, Any]]) -> None:
+    _table(TOP_HEADERS, _top_cells(view))
+
+
+def _top_table(view: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(*TOP_HEADERS, title="lonnymq top")
+    for cells in _top_cells(view):
+        table.add_row(*cells)
+    return table
+
+
+def _schedule(q: Queue, args: argparse.Namespace) -> int:
+    if args.schedule_command == "add":
+        created = q.schedule(
+            args.name, cron=args.cron, content=args.content.encode(), channel=args.channel
+        )
+        print(f"schedule {args.name!r} {'created' if created else 'updated'}")
+        return 0
+    if args.schedule_command == "remove":
+        if not q.unschedule(args.name):
+            print(f"lonnymq: no schedule named {args.name!r}", file=sys.stderr)
+            return EXIT_NOT_FOUND
+        print(f"schedule {args.name!r} removed")
+        return 0
+    schedules = q.schedules()
+    if args.json:
+        for s in schedules:
+            data = asdict(s)
+            data["content"] = s.content.decode("utf-8", "replace")
+            print(json.dumps(data))
+        return 0
+    _table(
+        ["name", "cron", "channel", "next at", "last fired", "firing"],
+        [
+            [s.name, s.cron, s.channel, _when(s.next_at), _when(s.last_fired_at), str(s.firing)]
+            for s in schedules
+        ],
+    )
+    return 0
+
+
+def _when(ms: int | None) -> str:
+    if ms is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ms / 1000)) + "Z"
+
+
+def _archive(q: Queue, args: argparse.Namespace) -> int:
+    if args.archive_command == "list":
+        rows = q.archived(outcome=args.outcome, channel=args.channel, limit=args.limit)
+        if args.json:
+            for a in rows:
+                data = asdict(a)
+                data["content"] = a.content.decode("utf-8", "replace")
+                data["state"] = None if a.state is None else a.state.decode("utf-8", "replace")
+                print(json.dumps(data))
+            return 0
+        _table(
+            ["id", "channel", "outcome", "attempts", "finished", "replayed as", "error"],
+            [
+                [
+                    str(a.id),
+                    a.channel,
+                    a.outcome,
+                    str(a.num_attempts),
+                    _when(a.finished_at),
+                    "-" if a.replayed_as is None else str(a.replayed_as),
+                    (a.error or "").strip().splitlines()[-1][:60] if a.error else "",
+                ]
+                for a in rows
+            ],
+        )
+        return 0
+    ids = list(args.ids)
+    if args.failed:
+        before: int | None = None
+        while True:
+            page = q.archived(outcome="failed", channel=args.channel, before_id=before, limit=1000)
+            ids.extend(a.id for a in page if a.replayed_as is None)
+            if len(page) < 1000:
+                break
+            before = page[-1].id
+    if not ids:
+        raise InvalidArgumentError("give archive ids, or --failed")
+    counts: dict[str, int] = {}
+    progress = _Progress("replaying", len(ids) if len(ids) > 1000 else 0)
+    for start in range(0, len(ids), 1000):
+        chunk = ids[start : start + 1000]
+        for result in q.replay(chunk):
+            counts[result.status] = counts.get(result.status, 0) + 1
+            if args.json:
+                print(json.dumps(asdict(result)))
+        progress.advance(len(chunk))
+    progress.close()
+    if not args.json:
+        print(", ".join(f"{n} {status}" for status, n in sorted(counts.items())))
     return 0
 
 
@@ -271,6 +609,9 @@ COMMANDS: dict[str, Callable[[Queue, argparse.Namespace], int]] = {
     "create": _create,
     "policy": _policy,
     "worker": _worker,
+    "top": _top,
+    "schedule": _schedule,
+    "archive": _archive,
 }
 
 

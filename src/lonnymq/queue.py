@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import monotonic, perf_counter
 from types import TracebackType
 from typing import Any, Self
 
@@ -21,9 +21,15 @@ from psycopg import Connection
 from psycopg_pool import ConnectionPool
 
 from . import _core, migrate
+from . import archive as _archive
+from . import events as _events
+from . import schedule as _schedule
+from .archive import ArchivedMessage, ReplayResult
 from .embedded import embedded_dsn, resolve_dsn
 from .errors import InvalidArgumentError, SchemaVersionError, translate
+from .events import Event, MessageOutcome
 from .metrics import OperationStats, Recorder
+from .schedule import Firing, Schedule, ScheduleSpec
 from .types import (
     AckStatus,
     ChannelStats,
@@ -497,6 +503,25 @@ class Queue:
         }
         self._fetch("message_delete", params, conn)
 
+    def dead_letter(
+        self,
+        message: Message,
+        *,
+        channel: str,
+        error: str,
+        conn: Connection[Any] | None = None,
+    ) -> CreateResult:
+        """Move a message you hold to ``channel`` in one transaction: a copy of its content is
+        created there and the message is finished as failed with ``error``."""
+        target = _core.check_channel(channel)
+        text = _core.check_error_text(error)
+        if conn is None:
+            with self.transaction() as own:
+                return self.dead_letter(message, channel=target, error=text, conn=own)
+        created = self.create(message.content, channel=target, conn=conn)
+        self.fail(message, error=text, conn=conn)
+        return created
+
     def defer(
         self,
         message: Message,
@@ -563,3 +588,189 @@ class Queue:
         params = {"offset_ms": _core.check_time("offset_ms", offset_ms)}
         rows = self._fetch("clock_offset_set", params, conn)
         return int(rows[0][0])
+
+    # -- schedules -----------------------------------------------------------------------
+
+    def schedule(
+        self,
+        name: str,
+        *,
+        cron: str,
+        content: bytes,
+        channel: str | None = None,
+        conn: Connection[Any] | None = None,
+    ) -> bool:
+        """Create or update the periodic schedule ``name``: at each ``cron`` time (five
+        fields, UTC) a worker creates one message ``content`` in ``channel``. Returns
+        ``True`` when the schedule is new. See :mod:`lonnymq.schedule`."""
+        name = _schedule.check_name(name)
+        parsed = _schedule.Cron.parse(cron)
+        target = _core.check_channel(channel)
+        if target == _schedule.SCHEDULE_CHANNEL:
+            raise InvalidArgumentError(f"channel {target!r} is reserved for schedules")
+        payload = _core.check_payload("content", content, optional=False)
+        assert payload is not None
+        now = self.now(conn=conn)
+        next_at = parsed.next_after(now)
+        assert next_at is not None  # parse() refuses expressions that never fire
+        spec = _schedule.ScheduleSpec(name, parsed.expression, target, payload, since=now)
+        params = {"name": name, "spec": spec.encode(), "next_at": next_at}
+        rows = self._fetch("schedule_set", params, conn)
+        return bool(rows[0][0] == "created")
+
+    def schedules(self, *, conn: Connection[Any] | None = None) -> list[Schedule]:
+        """Every schedule, by name."""
+        rows = self._fetch("schedule_list", {}, conn)
+        result = []
+        for name, spec_data, next_at, state, is_locked in rows:
+            spec = ScheduleSpec.decode(bytes(spec_data))
+            result.append(
+                Schedule(
+                    name=name,
+                    cron=spec.cron,
+                    channel=spec.channel,
+                    content=spec.content,
+                    next_at=next_at,
+                    last_fired_at=_schedule.decode_state(_core.optional_bytes(state)),
+                    firing=is_locked,
+                )
+            )
+        return result
+
+    def unschedule(self, name: str, *, conn: Connection[Any] | None = None) -> bool:
+        """Remove the schedule ``name`` (a firing in progress rolls back); returns whether it
+        existed. Messages it already created stay."""
+        rows = self._fetch("schedule_remove", {"name": _schedule.check_name(name)}, conn)
+        return bool(rows[0][0])
+
+    def fire_schedule(self, driver: Message, *, conn: Connection[Any] | None = None) -> Firing:
+        """Process a schedule's driver message (workers do this for you): in one transaction,
+        create the task that is due (at most one, however many firings were missed) and defer
+        the driver to the next firing. A driver whose lock was lost raises
+        :class:`~lonnymq.errors.StaleMessageError` and fires nothing."""
+        if driver.channel != _schedule.SCHEDULE_CHANNEL:
+            raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
+        spec = ScheduleSpec.decode(driver.content)
+        if conn is None:
+            with self.transaction() as own:
+                return self._fire_on(driver, spec, own)
+        return self._fire_on(driver, spec, conn)
+
+    def _fire_on(self, driver: Message, spec: ScheduleSpec, conn: Connection[Any]) -> Firing:
+        last_fired = _schedule.decode_state(driver.state)
+        firing = _schedule.plan_firing(spec, last_fired, self.now(conn=conn))
+        if firing.fire_at is not None:
+            self.create(
+                spec.content,
+                channel=spec.channel,
+                dedup_key=_schedule.task_dedup_key(spec.name, firing.fire_at),
+                conn=conn,
+            )
+            last_fired = firing.fire_at
+        self.defer(
+            driver,
+            dequeue_at=firing.next_at,
+            state=_schedule.encode_state(last_fired),
+            conn=conn,
+        )
+        return firing
+
+    # -- events, outcomes and the archive ------------------------------------------------
+
+    def events(self, *, timeout: float | None = None) -> Iterator[Event]:
+        """Iterate the queue's events as they happen (on a connection of its own), for
+        ``timeout`` seconds or until the loop breaks. Needs an installed ``event_channel``."""
+        channel = (self.settings()).event_channel
+        if channel is None:
+            raise InvalidArgumentError(
+                "events are off: install the queue with an event_channel to publish them"
+            )
+        _check_timeout(timeout)
+        try:
+            with psycopg.Connection.connect(self.dsn, autocommit=True) as conn:
+                conn.execute(_events.listen_statement(channel))
+                for notify in conn.notifies(timeout=timeout):
+                    yield _events.parse_event(notify.payload)
+        except psycopg.Error as err:
+            raise translate(err, schema=self._schema) from err
+
+    def message_status(
+        self, message_id: int, *, conn: Connection[Any] | None = None
+    ) -> MessageOutcome:
+        """Where message ``message_id`` is now; see :class:`~lonnymq.events.MessageOutcome`."""
+        checked, _ = _core.check_claim(message_id, 1)
+        rows = self._fetch("message_status", {"id": checked}, conn)
+        return _events.outcome(checked, rows[0])
+
+    def wait(self, message_id: int, *, timeout: float | None = None) -> MessageOutcome | None:
+        """Wait until message ``message_id`` is finished and return its outcome (``None``
+        when ``timeout`` seconds pass first). It checks the message's row (every 10 ms,
+        slowing to 0.2 s) and at once on each queue event when events are on."""
+        checked, _ = _core.check_claim(message_id, 1)
+        _check_timeout(timeout)
+        deadline = None if timeout is None else monotonic() + timeout
+        channel = (self.settings()).event_channel
+        try:
+            with psycopg.Connection.connect(self.dsn, autocommit=True) as conn:
+                if channel is not None:
+                    conn.execute(_events.listen_statement(channel))
+                round_ = 0
+                while True:
+                    status = self.message_status(checked, conn=conn)
+                    if status.done:
+                        return status
+                    pause = _events.poll_interval(round_)
+                    round_ += 1
+                    if deadline is not None:
+                        left = deadline - monotonic()
+                        if left <= 0:
+                            return None
+                        pause = min(pause, left)
+                    for _ in conn.notifies(timeout=pause, stop_after=1):
+                        pass
+        except psycopg.Error as err:
+            raise translate(err, schema=self._schema) from err
+
+    def archived(
+        self,
+        *,
+        outcome: str | None = None,
+        channel: str | None = None,
+        before_id: int | None = None,
+        limit: int = 100,
+        conn: Connection[Any] | None = None,
+    ) -> list[ArchivedMessage]:
+        """Archived messages, newest first: of one ``outcome`` (e.g. ``"failed"``) and
+        ``channel`` when given, with ids below ``before_id`` (to page)."""
+        if outcome is not None and (not isinstance(outcome, str) or not 1 <= len(outcome) <= 64):
+            raise InvalidArgumentError(f"outcome must be 1 to 64 characters, got {outcome!r}")
+        params = {
+            "outcome": outcome,
+            "channel": None if channel is None else _core.check_channel(channel),
+            "before_id": None if before_id is None else _core.check_claim(before_id, 1)[0],
+            "limit": _core.check_limit(limit),
+        }
+        rows = self._fetch("archive_list", params, conn)
+        return [_archive.archived_message(row) for row in rows]
+
+    def replay(
+        self, archive_ids: Sequence[int], *, conn: Connection[Any] | None = None
+    ) -> list[ReplayResult]:
+        """Create each archived message again (same channel and content, due now, attempts
+        from zero); a message is replayed at most once. Results are in input order."""
+        if isinstance(archive_ids, str | bytes) or not isinstance(archive_ids, Sequence):
+            raise InvalidArgumentError("archive_ids must be a sequence of message ids")
+        ids = [_core.check_claim(i, 1)[0] for i in archive_ids]
+        if len(ids) > _core.MAX_BATCH:
+            raise InvalidArgumentError(f"at most {_core.MAX_BATCH} ids per call, got {len(ids)}")
+        if not ids:
+            return []
+        rows = self._fetch("archive_replay", {"ids": ids}, conn)
+        return [_archive.replay_result(row) for row in rows]
+
+
+def _check_timeout(timeout: object) -> None:
+    if timeout is None:
+        return
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
+        raise InvalidArgumentError(f"timeout must be None or seconds >= 0, got {timeout!r}")

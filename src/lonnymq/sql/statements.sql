@@ -88,3 +88,31 @@ SELECT event_channel, archive FROM {schema}.config_get()
 
 -- name: clock_offset_set
 SELECT {schema}.clock_offset_set(p_offset_ms => %(offset_ms)s::bigint)
+
+-- name: schedule_set
+SELECT status, id FROM {schema}.schedule_set(
+    p_name => %(name)s::text,
+    p_spec => %(spec)s::bytea,
+    p_next_at => %(next_at)s::bigint)
+
+-- name: schedule_list
+SELECT name, spec, next_at, state, is_locked FROM {schema}.schedule_list()
+
+-- name: schedule_remove
+SELECT {schema}.schedule_remove(p_name => %(name)s::text)
+
+-- name: message_status
+SELECT status, outcome, error, num_attempts, finished_at
+FROM {schema}.message_status(p_id => %(id)s::bigint)
+
+-- name: archive_list
+SELECT id, channel, content, state, num_attempts, outcome, error, created_at, finished_at,
+       replayed_as
+FROM {schema}.archive_list(
+    p_outcome => %(outcome)s::text,
+    p_channel => %(channel)s::text,
+    p_before_id => %(before_id)s::bigint,
+    p_limit => %(limit)s::integer)
+
+-- name: archive_replay
+SELECT archive_id, status, id FROM {schema}.archive_replay(p_ids => %(ids)s::bigint[])

@@ -1,17 +1,22 @@
 """The worker runtime: run a handler on every message, correctly by default.
 
-A :class:`Worker` dequeues in batches to fill its free slots, runs the handler in a thread
-per message (at most ``concurrency`` at once), renews each lock well before it expires, finishes
-messages whose handler returned, retries those that raised (deferred with backoff, their
-saved state kept) and, after ``max_attempts``, finishes them as failed (archived with the
-error) or moves them to a dead-letter channel. It sleeps exactly until the next message is
-due, and wakes at once on a NOTIFY when the queue publishes events. On SIGTERM/SIGINT it stops
-dequeuing, lets running handlers finish within ``grace_s`` and gives back the rest, so no lock
-is left to expire.
+:class:`Worker` (threads) and :class:`AsyncWorker` (asyncio tasks) share one set of decisions
+(``_policy``, no I/O) and differ only in how they wait and run handlers. A worker dequeues in
+batches to fill its free slots, runs at most ``concurrency`` handlers at once, renews each
+lock well before it expires, finishes messages whose handler returned, retries those that
+raised (deferred with backoff, their saved state kept) and, after ``max_attempts``, finishes
+them as failed (archived with the error) or moves them to a dead-letter channel. A message that
+comes back past ``max_attempts`` (its workers crashed) is failed without running again. It
+fires the queue's periodic schedules, sleeps exactly until the next message is due, wakes at
+once on a NOTIFY when the queue publishes events, and rides out a lost database connection
+(reconnecting with backoff). On SIGTERM/SIGINT it stops dequeuing, lets running handlers
+finish within ``grace_s`` and gives back the rest, so no lock is left to expire.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import random
 import signal
@@ -23,34 +28,28 @@ from types import FrameType
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
+from .. import events as _events
 from ..errors import (
-    DatabaseUnavailableError,
+    DatabaseError,
     InvalidArgumentError,
     LonnyMQError,
     StaleMessageError,
 )
+from ..metrics import WorkerMetrics
 from ..queue import Message, Queue
-from ._policy import Backoff, error_text
+from . import _policy
+from ._async import AsyncWorker
+from ._policy import Action, Backoff, Decision, WorkerOptions, WorkerStats, error_text
 
-__all__ = ["Backoff", "Worker", "WorkerStats"]
+__all__ = ["AsyncWorker", "Backoff", "Worker", "WorkerStats", "error_text"]
 
 log = logging.getLogger("lonnymq.worker")
 
 Handler = Callable[[Message], object]
 
-
-@dataclass
-class WorkerStats:
-    """What a worker did during one ``run``."""
-
-    completed: int = 0
-    retried: int = 0
-    failed: int = 0
-    dead_lettered: int = 0
-    lost: int = 0
-    given_back: int = 0
+REPORT_TRIES = 5
+"""Attempts at reporting an outcome while the connection is being re-established."""
 
 
 @dataclass(eq=False)
@@ -61,8 +60,13 @@ class _Task:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+def _fields(message: Message) -> dict[str, object]:
+    return {"message_id": message.id, "channel": message.channel, "attempt": message.num_attempts}
+
+
 class Worker:
-    """Runs ``handler(message)`` for the messages of ``queue``; see the module docstring."""
+    """Runs ``handler(message)`` for the messages of ``queue`` in threads; see the module
+    docstring. A coroutine function handler runs in its thread's own event loop."""
 
     def __init__(
         self,
@@ -77,36 +81,25 @@ class Worker:
         dead_letter_channel: str | None = None,
         grace_s: float = 30.0,
         idle_ms: int = 5_000,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         if not callable(handler):
             raise InvalidArgumentError("handler must be callable")
-        for name, value, low in (
-            ("concurrency", concurrency, 1),
-            ("lock_ms", lock_ms, 100),
-            ("max_attempts", max_attempts, 1),
-            ("idle_ms", idle_ms, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
-        heartbeat = heartbeat_ms if heartbeat_ms is not None else lock_ms // 3
-        if not isinstance(heartbeat, int) or not 1 <= heartbeat < lock_ms:
-            raise InvalidArgumentError(
-                f"heartbeat_ms must be an int between 1 and lock_ms, got {heartbeat_ms!r}"
-            )
-        if grace_s < 0:
-            raise InvalidArgumentError(f"grace_s must be >= 0, got {grace_s!r}")
+        self.options = WorkerOptions.check(
+            concurrency=concurrency,
+            lock_ms=lock_ms,
+            heartbeat_ms=heartbeat_ms,
+            max_attempts=max_attempts,
+            backoff=backoff,
+            dead_letter_channel=(
+                queue.channel(dead_letter_channel).name if dead_letter_channel else None
+            ),
+            grace_s=grace_s,
+            idle_ms=idle_ms,
+        )
         self.queue = queue
         self.handler = handler
-        self.concurrency = concurrency
-        self.lock_ms = lock_ms
-        self.heartbeat_ms = heartbeat
-        self.max_attempts = max_attempts
-        self.backoff = backoff or Backoff()
-        self.dead_letter_channel = (
-            queue.channel(dead_letter_channel).name if dead_letter_channel is not None else None
-        )
-        self.grace_s = grace_s
-        self.idle_ms = idle_ms
+        self.metrics = metrics or WorkerMetrics()
         self.stats = WorkerStats()
         self._stopping = threading.Event()
         self._wake = threading.Event()
@@ -124,7 +117,7 @@ class Worker:
 
     def run(self, *, handle_signals: bool = True, until_idle: bool = False) -> WorkerStats:
         """Work until :meth:`stop`, SIGTERM or SIGINT (or, with ``until_idle``, until nothing
-        is waiting or running). Returns what was done."""
+        but schedules is waiting and nothing is running). Returns what was done."""
         self._stopping.clear()
         previous = self._install_signals() if handle_signals else {}
         helpers = [threading.Thread(target=self._heartbeats, daemon=True, name="lonnymq-hb")]
@@ -138,7 +131,6 @@ class Worker:
         for helper in helpers:
             helper.start()
         try:
-            self._clock_offset_ms = self._measure_clock()
             self._loop(until_idle)
         finally:
             self._stopping.set()
@@ -163,122 +155,173 @@ class Worker:
 
     # -- the dequeue loop ----------------------------------------------------------------
 
-    def _measure_clock(self) -> int:
-        """Database clock minus local clock (ms), so that sleeps follow the queue's clock."""
-        return self.queue.now() - int(time.time() * 1000)
-
     def _db_now(self) -> int:
         return int(time.time() * 1000) + self._clock_offset_ms
 
     def _loop(self, until_idle: bool) -> None:
         failures = 0
+        measured = False
         while not self._stopping.is_set():
             with self._lock:
-                free = self.concurrency - len(self._running)
+                free = self.options.concurrency - len(self._running)
             if free <= 0:
-                self._wake.wait(self.idle_ms / 1000)
+                self._wake.wait(self.options.idle_ms / 1000)
                 self._wake.clear()
                 continue
             try:
-                batch = self.queue.dequeue_batch(free, lock_ms=self.lock_ms)
+                if not measured:
+                    # Database clock minus local clock, so that sleeps follow the queue's clock.
+                    self._clock_offset_ms = self.queue.now() - int(time.time() * 1000)
+                    measured = True
+                batch = self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
+                idle = until_idle and not batch.messages and self._idle(batch.retry_at)
                 failures = 0
-            except DatabaseUnavailableError as err:
+            except DatabaseError as err:
                 failures += 1
-                delay = min(30.0, 0.1 * 2**failures)
-                log.warning("database unavailable (%s); retrying in %.1fs", err, delay)
+                delay = _policy.reconnect_delay(failures)
+                log.warning("dequeue failed (%s); retrying in %.1fs", err, delay)
                 self._stopping.wait(delay)
                 continue
+            for message in batch.messages:
+                self._start(message)
             if batch.messages:
-                for message in batch.messages:
-                    task = _Task(message)
-                    with self._lock:
-                        self._running[message.id] = task
-                    # Daemon threads: a handler that outlives the grace period (its message
-                    # already given back) must not keep the process alive.
-                    threading.Thread(
-                        target=self._execute, args=(task,), daemon=True, name="lonnymq-handler"
-                    ).start()
                 continue
-            with self._lock:
-                idle = not self._running
-            if until_idle and idle and batch.retry_at is None:
+            if idle:
                 return
-            wait_ms = self.idle_ms
-            if batch.retry_at is not None:
-                wait_ms = max(0, min(wait_ms, batch.retry_at - self._db_now()))
+            wait_ms = _policy.sleep_ms(batch.retry_at, self._db_now(), self.options.idle_ms)
             self._wake.wait(wait_ms / 1000)
             self._wake.clear()
+
+    def _idle(self, retry_at: int | None) -> bool:
+        with self._lock:
+            if self._running:
+                return False
+        if retry_at is None:
+            return True
+        return _policy.only_schedules_left(self.queue.stats())
+
+    def _start(self, message: Message) -> None:
+        task = _Task(message)
+        with self._lock:
+            self._running[message.id] = task
+            self.metrics.running = len(self._running)
+        self.metrics.count("dequeued", message.channel)
+        # Daemon threads: a handler that outlives the grace period (its message already given
+        # back) must not keep the process alive.
+        threading.Thread(
+            target=self._execute, args=(task,), daemon=True, name="lonnymq-handler"
+        ).start()
 
     # -- one message -----------------------------------------------------------------------
 
     def _execute(self, task: _Task) -> None:
         message = task.message
-        error: BaseException | None = None
         try:
-            self.handler(message)
-        except Exception as exc:  # the handler's failure is the message's outcome
-            error = exc
-        try:
-            with self._lock:
-                skip = task.abandoned or task.lost
-            if skip:
-                log.warning(
-                    "message %s: handler ended after its lock was %s; result not reported",
-                    message.id,
-                    "given back" if task.abandoned else "lost",
+            decision = _policy.before_run(message, self.options)
+            if decision.action is Action.RUN:
+                started = time.perf_counter()
+                error: BaseException | None = None
+                try:
+                    result = self.handler(message)
+                    if inspect.isawaitable(result):
+                        asyncio.run(_awaited(result))
+                except Exception as exc:  # the handler's failure is the message's outcome
+                    error = exc
+                    self.metrics.count("handler_error", message.channel)
+                self.metrics.observe(message.channel, time.perf_counter() - started)
+                with self._lock:
+                    skip = task.abandoned or task.lost
+                if skip:
+                    log.warning(
+                        "message %s: handler ended after its lock was %s; result not reported",
+                        message.id,
+                        "given back" if task.abandoned else "lost",
+                        extra=_fields(message),
+                    )
+                    return
+                decision = _policy.after_run(
+                    message, error, self.options, self._db_now(), self._rng
                 )
-                return
-            self._report(message, error)
+                if error is not None:
+                    log.info(
+                        "message %s failed (attempt %s): %s",
+                        message.id,
+                        message.num_attempts,
+                        error,
+                        extra=_fields(message),
+                    )
+            self._apply_with_retries(message, decision)
         except StaleMessageError:
             # The handler may have deferred or finished the message itself.
-            log.info("message %s was no longer held when its handler returned", message.id)
+            log.info(
+                "message %s was no longer held when its handler returned",
+                message.id,
+                extra=_fields(message),
+            )
         except LonnyMQError as err:
             log.error(
                 "message %s: could not report the outcome (%s); its lock will "
                 "expire and it will be retried",
                 message.id,
                 err,
+                extra=_fields(message),
             )
         finally:
             with self._lock:
                 self._running.pop(message.id, None)
+                self.metrics.running = len(self._running)
             task.done.set()
             self._wake.set()
 
-    def _report(self, message: Message, error: BaseException | None) -> None:
-        if error is None:
-            message.delete()
-            self._count("completed")
+    def _apply_with_retries(self, message: Message, decision: Decision) -> None:
+        """Report the outcome, riding out a lost connection (the pool reconnects) or a deadlock."""
+        for attempt in range(1, REPORT_TRIES + 1):
+            try:
+                self._apply(message, decision)
+                return
+            except DatabaseError as err:
+                if attempt == REPORT_TRIES:
+                    raise
+                delay = _policy.reconnect_delay(attempt)
+                log.warning("report failed (%s); trying again in %.1fs", err, delay)
+                time.sleep(delay)
+
+    def _apply(self, message: Message, decision: Decision) -> None:
+        """The one place that finishes, retries or fires a message."""
+        action = decision.action
+        if action is Action.FIRE:
+            try:
+                firing = self.queue.fire_schedule(message)
+            except InvalidArgumentError as err:  # not a driver: it would come back forever
+                message.fail(error=f"not a schedule driver: {err}")
+                self._count("failed", message.channel)
+                return
+            if firing.fire_at is not None:
+                self._count("fired", message.channel)
             return
-        text = error_text(error)
-        if message.num_attempts < self.max_attempts:
-            delay = self.backoff.delay_ms(message.num_attempts, self._rng)
-            message.defer(dequeue_at=self._db_now() + delay)
-            log.info(
-                "message %s failed (attempt %s), retry in %s ms: %s",
+        if action is Action.COMPLETE:
+            message.delete()
+        elif action is Action.RETRY:
+            message.defer(dequeue_at=decision.dequeue_at)
+        elif action is Action.DEAD_LETTER:
+            assert decision.channel is not None
+            assert decision.error is not None
+            self.queue.dead_letter(message, channel=decision.channel, error=decision.error)
+        else:
+            assert decision.error is not None
+            message.fail(error=decision.error)
+        self._count(action.value, message.channel)
+        if action in (Action.FAIL, Action.DEAD_LETTER):
+            log.error(
+                "message %s failed for good after %s attempts: %s",
                 message.id,
                 message.num_attempts,
-                delay,
-                error,
+                (decision.error or "").splitlines()[-1:],
+                extra=_fields(message),
             )
-            self._count("retried")
-            return
-        if self.dead_letter_channel is not None:
-            with self.queue.transaction() as conn:
-                self.queue.create(message.content, channel=self.dead_letter_channel, conn=conn)
-                self.queue.fail(message, error=text, conn=conn)
-            self._count("dead_lettered")
-        else:
-            message.fail(error=text)
-            self._count("failed")
-        log.error(
-            "message %s failed for good after %s attempts: %s",
-            message.id,
-            message.num_attempts,
-            error,
-        )
 
-    def _count(self, outcome: str) -> None:
+    def _count(self, outcome: str, channel: str) -> None:
+        self.metrics.count(outcome, channel)
         with self._lock:
             setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
 
@@ -287,27 +330,32 @@ class Worker:
     def _heartbeats(self) -> None:
         """Renew every running message's lock each ``heartbeat_ms`` (a third of the lock by
         default), so a long handler keeps its message; a lost lock is flagged."""
+        period = self.options.heartbeat_ms / 1000
         while True:
             if self._stopping.is_set():
                 # Keep renewing during the grace period, until the last handler is done.
                 with self._lock:
                     if not self._running:
                         return
-                time.sleep(self.heartbeat_ms / 1000)
+                time.sleep(period)
             else:
-                self._stopping.wait(self.heartbeat_ms / 1000)
+                self._stopping.wait(period)
             with self._lock:
                 tasks = [t for t in self._running.values() if not (t.lost or t.abandoned)]
             for task in tasks:
                 if task.done.is_set():
                     continue
                 try:
-                    task.message.heartbeat(lock_ms=self.lock_ms)
+                    task.message.heartbeat(lock_ms=self.options.lock_ms)
                 except StaleMessageError:
                     with self._lock:
                         task.lost = True
-                    self._count("lost")
-                    log.warning("message %s: lock lost while its handler runs", task.message.id)
+                    self._count("lost", task.message.channel)
+                    log.warning(
+                        "message %s: lock lost while its handler runs",
+                        task.message.id,
+                        extra=_fields(task.message),
+                    )
                 except LonnyMQError as err:
                     log.warning("message %s: heartbeat failed (%s)", task.message.id, err)
 
@@ -320,20 +368,25 @@ class Worker:
 
     def _listen(self, channel: str) -> None:
         """Wake the dequeue loop on every event of the queue's NOTIFY channel."""
+        failures = 0
         while not self._stopping.is_set():
             try:
                 with psycopg.connect(self.queue.dsn, autocommit=True) as conn:
-                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    conn.execute(_events.listen_statement(channel))
+                    failures = 0
+                    # Events may have been missed while reconnecting: look again.
+                    self._wake.set()
                     while not self._stopping.is_set():
                         for _ in conn.notifies(timeout=0.5, stop_after=1):
                             self._wake.set()
             except psycopg.Error as err:
+                failures += 1
                 log.warning("event listener lost its connection (%s); reconnecting", err)
-                self._stopping.wait(1.0)
+                self._stopping.wait(_policy.reconnect_delay(failures))
 
     def _shutdown(self) -> None:
         """Give running handlers ``grace_s`` to finish, then give their messages back."""
-        deadline = time.monotonic() + self.grace_s
+        deadline = time.monotonic() + self.options.grace_s
         while time.monotonic() < deadline:
             with self._lock:
                 if not self._running:
@@ -346,9 +399,11 @@ class Worker:
         for task in tasks:
             try:
                 task.message.defer()
-                self._count("given_back")
+                self._count("given_back", task.message.channel)
                 log.warning(
-                    "message %s given back: its handler outlived the grace period", task.message.id
+                    "message %s given back: its handler outlived the grace period",
+                    task.message.id,
+                    extra=_fields(task.message),
                 )
             except LonnyMQError as err:
                 log.error(
@@ -356,3 +411,7 @@ class Worker:
                     task.message.id,
                     err,
                 )
+
+
+async def _awaited(result: Any) -> None:
+    await result

@@ -1,14 +1,20 @@
-"""What a worker decides without I/O: retry delays and error text."""
+"""What every worker decides without I/O, shared by :class:`~lonnymq.worker.Worker` (threads)
+and :class:`~lonnymq.worker.AsyncWorker` (asyncio): option checks, what to do with a message
+before and after its handler runs, retry delays, sleeps and reconnect delays."""
 
 from __future__ import annotations
 
 import random
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
 
 from ..errors import InvalidArgumentError
+from ..schedule import SCHEDULE_CHANNEL
 
-__all__ = ["Backoff", "error_text"]
+__all__ = ["Action", "Backoff", "Decision", "WorkerOptions", "WorkerStats", "error_text"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,3 +50,175 @@ class Backoff:
 def error_text(error: BaseException) -> str:
     """The error as the archive keeps it: type, message and traceback."""
     return "".join(traceback.format_exception(error)).strip()
+
+
+@dataclass
+class WorkerStats:
+    """What a worker did during one ``run``."""
+
+    completed: int = 0
+    retried: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    lost: int = 0
+    given_back: int = 0
+    fired: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerOptions:
+    """A worker's options, checked once when it is built."""
+
+    concurrency: int = 4
+    lock_ms: int = 30_000
+    heartbeat_ms: int = 10_000
+    max_attempts: int = 5
+    backoff: Backoff = Backoff()
+    dead_letter_channel: str | None = None
+    grace_s: float = 30.0
+    idle_ms: int = 5_000
+
+    @classmethod
+    def check(
+        cls,
+        *,
+        concurrency: object,
+        lock_ms: object,
+        heartbeat_ms: object,
+        max_attempts: object,
+        backoff: object,
+        dead_letter_channel: str | None,
+        grace_s: object,
+        idle_ms: object,
+    ) -> WorkerOptions:
+        """Validate the options; a bad one raises :class:`InvalidArgumentError`."""
+        for name, value, low in (
+            ("concurrency", concurrency, 1),
+            ("lock_ms", lock_ms, 100),
+            ("max_attempts", max_attempts, 1),
+            ("idle_ms", idle_ms, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+        assert isinstance(lock_ms, int)
+        heartbeat = heartbeat_ms if heartbeat_ms is not None else lock_ms // 3
+        if (
+            not isinstance(heartbeat, int)
+            or isinstance(heartbeat, bool)
+            or not 1 <= heartbeat < lock_ms
+        ):
+            raise InvalidArgumentError(
+                f"heartbeat_ms must be an int between 1 and lock_ms, got {heartbeat_ms!r}"
+            )
+        if not isinstance(grace_s, int | float) or isinstance(grace_s, bool) or grace_s < 0:
+            raise InvalidArgumentError(f"grace_s must be a number >= 0, got {grace_s!r}")
+        if backoff is not None and not isinstance(backoff, Backoff):
+            raise InvalidArgumentError(f"backoff must be a Backoff, got {backoff!r}")
+        if dead_letter_channel == SCHEDULE_CHANNEL:
+            raise InvalidArgumentError(f"channel {SCHEDULE_CHANNEL!r} is reserved for schedules")
+        return cls(
+            concurrency=concurrency,  # type: ignore[arg-type]
+            lock_ms=lock_ms,
+            heartbeat_ms=heartbeat,
+            max_attempts=max_attempts,  # type: ignore[arg-type]
+            backoff=backoff or Backoff(),
+            dead_letter_channel=dead_letter_channel,
+            grace_s=float(grace_s),
+            idle_ms=idle_ms,  # type: ignore[arg-type]
+        )
+
+
+class Action(StrEnum):
+    """What a worker does with a message."""
+
+    RUN = "run"
+    """Run the handler."""
+    FIRE = "fire"
+    """A schedule's driver: fire it (``queue.fire_schedule``)."""
+    COMPLETE = "completed"
+    """The handler returned: delete the message."""
+    RETRY = "retried"
+    """Defer the message to ``dequeue_at``."""
+    FAIL = "failed"
+    """Finish the message as failed with ``error``."""
+    DEAD_LETTER = "dead_lettered"
+    """Copy the message to ``channel`` and finish it as failed, in one transaction."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    dequeue_at: int | None = None
+    error: str | None = None
+    channel: str | None = None
+
+
+class _Held(Protocol):
+    @property
+    def channel(self) -> str: ...
+    @property
+    def num_attempts(self) -> int: ...
+
+
+def _give_up(options: WorkerOptions, error: str) -> Decision:
+    if options.dead_letter_channel is not None:
+        return Decision(Action.DEAD_LETTER, error=error, channel=options.dead_letter_channel)
+    return Decision(Action.FAIL, error=error)
+
+
+def before_run(message: _Held, options: WorkerOptions) -> Decision:
+    """What to do with a message just dequeued. A message past ``max_attempts`` was taken by
+    workers that never reported (they crashed, or lost its lock): it is finished as failed
+    without running again, which bounds crash loops."""
+    if message.channel == SCHEDULE_CHANNEL:
+        return Decision(Action.FIRE)
+    if message.num_attempts > options.max_attempts:
+        return _give_up(
+            options,
+            f"attempt {message.num_attempts} exceeds max_attempts={options.max_attempts}: "
+            "earlier attempts ended without an outcome (a worker crashed or lost the lock)",
+        )
+    return Decision(Action.RUN)
+
+
+def after_run(
+    message: _Held,
+    error: BaseException | None,
+    options: WorkerOptions,
+    now_ms: int,
+    rng: random.Random,
+) -> Decision:
+    """What to do once the handler returned (``error`` is what it raised, if anything)."""
+    if error is None:
+        return Decision(Action.COMPLETE)
+    if message.num_attempts < options.max_attempts:
+        delay = options.backoff.delay_ms(message.num_attempts, rng)
+        return Decision(Action.RETRY, dequeue_at=now_ms + delay)
+    return _give_up(options, error_text(error))
+
+
+def sleep_ms(retry_at: int | None, now_ms: int, idle_ms: int) -> int:
+    """How long an idle worker sleeps: until ``retry_at`` (the next message is due), at most
+    ``idle_ms``."""
+    if retry_at is None:
+        return idle_ms
+    return max(0, min(idle_ms, retry_at - now_ms))
+
+
+def reconnect_delay(failures: int) -> float:
+    """Seconds to wait after ``failures`` consecutive lost connections (0.1 s doubling, at most
+    30 s)."""
+    return float(min(30.0, 0.1 * 2 ** min(failures, 10)))
+
+
+class _Sized(Protocol):
+    @property
+    def channel(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+
+
+def only_schedules_left(stats: Iterable[_Sized]) -> bool:
+    """Whether nothing but schedule drivers is left in the queue (``until_idle`` then stops:
+    drivers wait forever)."""
+    return all(s.size == 0 for s in stats if s.channel != SCHEDULE_CHANNEL)

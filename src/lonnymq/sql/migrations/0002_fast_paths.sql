@@ -947,5 +947,7 @@ AS $$
         SELECT m.channel, count(*) AS total, count(*) FILTER (WHERE m.is_locked) AS locked
         FROM message m GROUP BY m.channel
     ) s ON s.channel = c.name
+    -- A drained policy-free channel's row may linger until a dequeue visits it: not listed.
+    WHERE coalesce(c.has_policy, FALSE) OR s.channel IS NOT NULL
     ORDER BY 1
 $$;

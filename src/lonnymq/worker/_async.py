@@ -1,0 +1,354 @@
+"""The asyncio worker: handlers run as tasks (coroutine functions) or in threads (plain
+functions); every decision comes from ``_policy``, as for the thread :class:`Worker`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import random
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import psycopg
+
+from .. import events as _events
+from ..errors import (
+    DatabaseError,
+    InvalidArgumentError,
+    LonnyMQError,
+    StaleMessageError,
+)
+from ..metrics import WorkerMetrics
+from ..queue_async import AsyncMessage, AsyncQueue
+from . import _policy
+from ._policy import Action, Backoff, Decision, WorkerOptions, WorkerStats
+
+__all__ = ["AsyncWorker"]
+
+log = logging.getLogger("lonnymq.worker")
+
+AsyncHandler = Callable[[AsyncMessage], Awaitable[object] | object]
+
+
+@dataclass(eq=False)
+class _Run:
+    message: AsyncMessage
+    task: asyncio.Task[None] | None = None
+    lost: bool = False
+    abandoned: bool = False
+
+
+def _fields(message: AsyncMessage) -> dict[str, object]:
+    return {"message_id": message.id, "channel": message.channel, "attempt": message.num_attempts}
+
+
+class AsyncWorker:
+    """Runs ``handler(message)`` for the messages of an :class:`~lonnymq.AsyncQueue`: a
+    coroutine function as a task, a plain function in a thread (``asyncio.to_thread``). Same
+    options and behaviour as :class:`~lonnymq.worker.Worker`; ``await worker.run()``."""
+
+    def __init__(
+        self,
+        queue: AsyncQueue,
+        handler: AsyncHandler,
+        *,
+        concurrency: int = 4,
+        lock_ms: int = 30_000,
+        heartbeat_ms: int | None = None,
+        max_attempts: int = 5,
+        backoff: Backoff | None = None,
+        dead_letter_channel: str | None = None,
+        grace_s: float = 30.0,
+        idle_ms: int = 5_000,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        if not callable(handler):
+            raise InvalidArgumentError("handler must be callable")
+        self.options = WorkerOptions.check(
+            concurrency=concurrency,
+            lock_ms=lock_ms,
+            heartbeat_ms=heartbeat_ms,
+            max_attempts=max_attempts,
+            backoff=backoff,
+            dead_letter_channel=(
+                queue.channel(dead_letter_channel).name if dead_letter_channel else None
+            ),
+            grace_s=grace_s,
+            idle_ms=idle_ms,
+        )
+        self.queue = queue
+        self.handler = handler
+        self.metrics = metrics or WorkerMetrics()
+        self.stats = WorkerStats()
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._running: dict[int, _Run] = {}
+        self._rng = random.Random()
+        self._clock_offset_ms = 0
+
+    def stop(self) -> None:
+        """Ask the worker to stop (call it from the worker's event loop)."""
+        self._stopping.set()
+        self._wake.set()
+
+    async def run(self, *, handle_signals: bool = True, until_idle: bool = False) -> WorkerStats:
+        """Work until :meth:`stop`, SIGTERM or SIGINT (or, with ``until_idle``, until nothing
+        but schedules is waiting and nothing is running). Returns what was done."""
+        self._stopping.clear()
+        loop = asyncio.get_running_loop()
+        signals = []
+        if handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+                signals.append(sig)
+        helpers = [asyncio.create_task(self._heartbeats())]
+        event_channel = await self._event_channel()
+        if event_channel is not None:
+            helpers.append(asyncio.create_task(self._listen(event_channel)))
+        try:
+            await self._loop(until_idle)
+        finally:
+            self._stopping.set()
+            await self._shutdown()
+            for helper in helpers:
+                helper.cancel()
+            for helper in helpers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await helper
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+        return self.stats
+
+    # -- the dequeue loop ----------------------------------------------------------------
+
+    def _db_now(self) -> int:
+        return int(time.time() * 1000) + self._clock_offset_ms
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep until woken (event, finished handler, stop) or ``seconds`` pass."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
+
+    async def _loop(self, until_idle: bool) -> None:
+        failures = 0
+        measured = False
+        while not self._stopping.is_set():
+            free = self.options.concurrency - len(self._running)
+            if free <= 0:
+                await self._sleep(self.options.idle_ms / 1000)
+                continue
+            try:
+                if not measured:
+                    self._clock_offset_ms = await self.queue.now() - int(time.time() * 1000)
+                    measured = True
+                batch = await self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
+                idle = until_idle and not batch.messages and await self._idle(batch.retry_at)
+                failures = 0
+            except DatabaseError as err:
+                failures += 1
+                delay = _policy.reconnect_delay(failures)
+                log.warning("dequeue failed (%s); retrying in %.1fs", err, delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), delay)
+                continue
+            for message in batch.messages:
+                run = _Run(message)
+                self._running[message.id] = run
+                self.metrics.running = len(self._running)
+                self.metrics.count("dequeued", message.channel)
+                run.task = asyncio.create_task(self._execute(run))
+            if batch.messages:
+                continue
+            if idle:
+                return
+            wait_ms = _policy.sleep_ms(batch.retry_at, self._db_now(), self.options.idle_ms)
+            await self._sleep(wait_ms / 1000)
+
+    async def _idle(self, retry_at: int | None) -> bool:
+        if self._running:
+            return False
+        if retry_at is None:
+            return True
+        return _policy.only_schedules_left(await self.queue.stats())
+
+    # -- one message -----------------------------------------------------------------------
+
+    async def _call(self, message: AsyncMessage) -> None:
+        if inspect.iscoroutinefunction(self.handler):
+            await self.handler(message)
+            return
+        result = await asyncio.to_thread(self.handler, message)
+        if inspect.isawaitable(result):
+            await result
+
+    async def _execute(self, run: _Run) -> None:
+        message = run.message
+        try:
+            decision = _policy.before_run(message, self.options)
+            if decision.action is Action.RUN:
+                started = time.perf_counter()
+                error: BaseException | None = None
+                try:
+                    await self._call(message)
+                except Exception as exc:  # the handler's failure is the message's outcome
+                    error = exc
+                    self.metrics.count("handler_error", message.channel)
+                self.metrics.observe(message.channel, time.perf_counter() - started)
+                if run.abandoned or run.lost:
+                    log.warning(
+                        "message %s: handler ended after its lock was %s; result not reported",
+                        message.id,
+                        "given back" if run.abandoned else "lost",
+                        extra=_fields(message),
+                    )
+                    return
+                decision = _policy.after_run(
+                    message, error, self.options, self._db_now(), self._rng
+                )
+                if error is not None:
+                    log.info(
+                        "message %s failed (attempt %s): %s",
+                        message.id,
+                        message.num_attempts,
+                        error,
+                        extra=_fields(message),
+                    )
+            await self._apply_with_retries(message, decision)
+        except StaleMessageError:
+            log.info(
+                "message %s was no longer held when its handler returned",
+                message.id,
+                extra=_fields(message),
+            )
+        except LonnyMQError as err:
+            log.error(
+                "message %s: could not report the outcome (%s); its lock will expire",
+                message.id,
+                err,
+                extra=_fields(message),
+            )
+        finally:
+            self._running.pop(message.id, None)
+            self.metrics.running = len(self._running)
+            self._wake.set()
+
+    async def _apply_with_retries(self, message: AsyncMessage, decision: Decision) -> None:
+        for attempt in range(1, 6):
+            try:
+                await self._apply(message, decision)
+                return
+            except DatabaseError as err:
+                if attempt == 5:
+                    raise
+                delay = _policy.reconnect_delay(attempt)
+                log.warning("report failed (%s); trying again in %.1fs", err, delay)
+                await asyncio.sleep(delay)
+
+    async def _apply(self, message: AsyncMessage, decision: Decision) -> None:
+        """The one place that finishes, retries or fires a message."""
+        action = decision.action
+        if action is Action.FIRE:
+            try:
+                firing = await self.queue.fire_schedule(message)
+            except InvalidArgumentError as err:  # not a driver: it would come back forever
+                await message.fail(error=f"not a schedule driver: {err}")
+                self._count("failed", message.channel)
+                return
+            if firing.fire_at is not None:
+                self._count("fired", message.channel)
+            return
+        if action is Action.COMPLETE:
+            await message.delete()
+        elif action is Action.RETRY:
+            await message.defer(dequeue_at=decision.dequeue_at)
+        elif action is Action.DEAD_LETTER:
+            assert decision.channel is not None
+            assert decision.error is not None
+            await self.queue.dead_letter(message, channel=decision.channel, error=decision.error)
+        else:
+            assert decision.error is not None
+            await message.fail(error=decision.error)
+        self._count(action.value, message.channel)
+        if action in (Action.FAIL, Action.DEAD_LETTER):
+            log.error(
+                "message %s failed for good after %s attempts",
+                message.id,
+                message.num_attempts,
+                extra=_fields(message),
+            )
+
+    def _count(self, outcome: str, channel: str) -> None:
+        self.metrics.count(outcome, channel)
+        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.heartbeat_ms / 1000)
+            for run in [r for r in self._running.values() if not (r.lost or r.abandoned)]:
+                if run.task is not None and run.task.done():
+                    continue
+                try:
+                    await run.message.heartbeat(lock_ms=self.options.lock_ms)
+                except StaleMessageError:
+                    run.lost = True
+                    self._count("lost", run.message.channel)
+                    log.warning(
+                        "message %s: lock lost while its handler runs",
+                        run.message.id,
+                        extra=_fields(run.message),
+                    )
+                except LonnyMQError as err:
+                    log.warning("message %s: heartbeat failed (%s)", run.message.id, err)
+
+    async def _event_channel(self) -> str | None:
+        try:
+            return (await self.queue.settings()).event_channel
+        except LonnyMQError as err:
+            log.warning("could not read the queue's settings (%s): polling only", err)
+            return None
+
+    async def _listen(self, channel: str) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                conn = await psycopg.AsyncConnection.connect(self.queue.dsn, autocommit=True)
+                async with conn:
+                    await conn.execute(_events.listen_statement(channel))
+                    failures = 0
+                    self._wake.set()
+                    async for _ in conn.notifies():
+                        self._wake.set()
+            except psycopg.Error as err:
+                failures += 1
+                log.warning("event listener lost its connection (%s); reconnecting", err)
+                await asyncio.sleep(_policy.reconnect_delay(failures))
+
+    async def _shutdown(self) -> None:
+        runs = list(self._running.values())
+        tasks = [r.task for r in runs if r.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.options.grace_s)
+        for run in [r for r in self._running.values() if r.task is not None]:
+            assert run.task is not None
+            if run.task.done():
+                continue
+            run.abandoned = True
+            try:
+                await run.message.defer()
+                self._count("given_back", run.message.channel)
+                log.warning(
+                    "message %s given back: its handler outlived the grace period",
+                    run.message.id,
+                    extra=_fields(run.message),
+                )
+            except LonnyMQError as err:
+                log.error("message %s could not be given back (%s)", run.message.id, err)
+            run.task.cancel()

@@ -1,0 +1,117 @@
+"""AsyncWorker against a real PostgreSQL: same decisions as Worker, handlers as tasks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from lonnymq import AsyncMessage, AsyncQueue, NewMessage, Queue
+from lonnymq.errors import InvalidArgumentError
+from lonnymq.worker import AsyncWorker, Backoff, WorkerStats
+
+
+def test_async_worker_drains_within_limits_and_retries_then_dead_letters(
+    dsn: str, make_queue: Callable[..., Queue]
+) -> None:
+    sync = make_queue(archive=True)
+    sync.channel("solo").set_policy(max_concurrency=1)
+    sync.create_many(
+        [NewMessage(f"{c}-{i}".encode(), channel=c) for i in range(15) for c in ("solo", "free")]
+    )
+    sync.create(b"poison", channel="free")
+
+    async def main() -> tuple[Counter[str], list[int], WorkerStats]:
+        running: Counter[str] = Counter()
+        peak: Counter[str] = Counter()
+        poison_attempts: list[int] = []
+
+        async def handler(message: AsyncMessage) -> None:
+            if message.content == b"poison":
+                poison_attempts.append(message.num_attempts)
+                raise RuntimeError("poisoned")
+            running[message.channel] += 1
+            peak[message.channel] = max(peak[message.channel], running[message.channel])
+            await asyncio.sleep(0.002)
+            running[message.channel] -= 1
+
+        async with AsyncQueue(dsn, schema=sync.schema) as queue:
+            worker = AsyncWorker(
+                queue,
+                handler,
+                concurrency=5,
+                max_attempts=2,
+                backoff=Backoff(base_ms=20, max_ms=20, jitter=False),
+                dead_letter_channel="dead",
+            )
+
+            async def skip_dead(message: AsyncMessage) -> None:
+                if message.channel != "dead":
+                    await handler(message)
+
+            worker.handler = skip_dead
+            stats = await worker.run(handle_signals=False, until_idle=True)
+        return peak, poison_attempts, stats
+
+    peak, poison_attempts, stats = asyncio.run(main())
+    assert peak["solo"] == 1
+    assert poison_attempts == [1, 2]
+    assert (stats.completed, stats.retried, stats.dead_lettered) == (31, 1, 1)
+    assert all(s.size == 0 for s in sync.stats())
+
+
+def test_async_worker_runs_plain_functions_in_threads(
+    dsn: str, make_queue: Callable[..., Queue]
+) -> None:
+    sync = make_queue()
+    sync.create_many([NewMessage(b"a"), NewMessage(b"b")])
+    seen: list[bytes] = []
+
+    async def main() -> WorkerStats:
+        async with AsyncQueue(dsn, schema=sync.schema) as queue:
+            return await AsyncWorker(queue, lambda m: seen.append(m.content)).run(
+                handle_signals=False, until_idle=True
+            )
+
+    stats = asyncio.run(main())
+    assert sorted(seen) == [b"a", b"b"]
+    assert stats.completed == 2
+
+
+def test_async_worker_keeps_long_handlers_locked_and_gives_back_on_stop(
+    dsn: str, make_queue: Callable[..., Queue]
+) -> None:
+    sync = make_queue()
+    sync.create(b"long")
+
+    async def main() -> tuple[AsyncMessage | None, WorkerStats]:
+        async with AsyncQueue(dsn, schema=sync.schema) as queue:
+            started = asyncio.Event()
+
+            async def handler(message: AsyncMessage) -> None:
+                started.set()
+                await asyncio.sleep(30)
+
+            worker = AsyncWorker(queue, handler, lock_ms=300, heartbeat_ms=100, grace_s=0.1)
+            running = asyncio.create_task(worker.run(handle_signals=False))
+            await started.wait()
+            await asyncio.sleep(0.8)  # more than two lock lengths
+            thief = await queue.dequeue(lock_ms=1_000)
+            worker.stop()
+            return thief, await running
+
+    thief, stats = asyncio.run(main())
+    assert thief is None  # heartbeats kept the lock
+    assert stats.given_back == 1
+    [channel] = sync.stats()
+    assert (channel.size, channel.in_flight) == (1, 0)
+
+
+def test_async_worker_refuses_bad_options(dsn: str) -> None:
+    queue = AsyncQueue(dsn, schema="unused")
+    with pytest.raises(InvalidArgumentError, match="concurrency"):
+        AsyncWorker(queue, lambda m: None, concurrency=0)
+    with pytest.raises(InvalidArgumentError, match="callable"):
+        AsyncWorker(queue, 5)  # type: ignore[arg-type]

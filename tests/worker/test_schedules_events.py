@@ -1,0 +1,196 @@
+"""Schedules fired by workers, wait(), events() and the archive, on a real PostgreSQL.
+
+Time moves with ``set_clock_offset`` (whole minutes), never with sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from lonnymq import Message, Queue
+from lonnymq.errors import InvalidArgumentError, InvalidChannelError, StaleMessageError
+from lonnymq.schedule import SCHEDULE_CHANNEL
+from lonnymq.worker import Worker
+
+MINUTE = 60_000
+
+
+def _run_workers(queue: Queue, count: int, seen: list[bytes]) -> None:
+    lock = threading.Lock()
+
+    def handler(message: Message) -> None:
+        with lock:
+            seen.append(message.content)
+
+    workers = [Worker(queue, handler, concurrency=2, idle_ms=50) for _ in range(count)]
+    threads = [
+        threading.Thread(target=w.run, kwargs={"handle_signals": False, "until_idle": True})
+        for w in workers
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+def test_schedule_fires_once_per_period_across_competing_workers_and_restarts(
+    make_queue: Callable[..., Queue],
+) -> None:
+    queue = make_queue(archive=True)
+    assert queue.schedule("tick", cron="* * * * *", content=b"tick", channel="ticks") is True
+    seen: list[bytes] = []
+    _run_workers(queue, 2, seen)  # nothing is due yet
+    assert seen == []
+    for minute in (1, 2, 3):
+        # Each round is a fresh start of two competing workers, one period later.
+        queue.set_clock_offset(minute * MINUTE + 500)
+        _run_workers(queue, 2, seen)
+        assert seen == [b"tick"] * minute
+    # Ten periods missed while nothing ran: one firing, not a burst.
+    queue.set_clock_offset(13 * MINUTE + 500)
+    _run_workers(queue, 2, seen)
+    assert seen == [b"tick"] * 4
+    [schedule] = queue.schedules()
+    assert (schedule.name, schedule.cron, schedule.channel) == ("tick", "* * * * *", "ticks")
+    assert schedule.last_fired_at is not None
+    assert schedule.next_at == schedule.last_fired_at + MINUTE
+    assert not schedule.firing
+
+
+def test_a_stale_driver_holder_fires_nothing(make_queue: Callable[..., Queue]) -> None:
+    queue = make_queue()
+    queue.schedule("s", cron="* * * * *", content=b"job", channel="jobs")
+    queue.set_clock_offset(MINUTE + 500)
+    stale = queue.dequeue(lock_ms=1_000)
+    assert stale is not None
+    assert stale.channel == SCHEDULE_CHANNEL
+    # Its lock expires; another worker takes the driver and fires it.
+    queue.set_clock_offset(MINUTE + 2_000)
+    fresh = queue.dequeue(lock_ms=10_000)
+    assert fresh is not None
+    assert fresh.id == stale.id
+    assert queue.fire_schedule(fresh).fire_at is not None
+    with pytest.raises(StaleMessageError):
+        queue.fire_schedule(stale)  # rolled back: no second task
+    jobs = [s for s in queue.stats() if s.channel == "jobs"]
+    assert [s.size for s in jobs] == [1]
+
+
+def test_garbage_in_the_schedule_channel_is_failed_not_looped(
+    make_queue: Callable[..., Queue],
+) -> None:
+    queue = make_queue()
+    queue.create(b"not a spec", channel=SCHEDULE_CHANNEL)
+    stats = Worker(queue, lambda m: None).run(handle_signals=False, until_idle=True)
+    assert stats.failed == 1
+    assert queue.stats() == []
+
+
+def test_schedule_update_list_and_remove(make_queue: Callable[..., Queue]) -> None:
+    queue = make_queue()
+    assert queue.schedule("a", cron="0 * * * *", content=b"1") is True
+    assert queue.schedule("a", cron="*/5 * * * *", content=b"2", channel="x") is False
+    queue.schedule("b", cron="0 0 * * *", content=b"3")
+    listed = {s.name: s for s in queue.schedules()}
+    assert sorted(listed) == ["a", "b"]
+    a = listed["a"]
+    assert (a.cron, a.content, a.channel) == ("*/5 * * * *", b"2", "x")
+    # The update moved the driver to the new expression's next time.
+    now = queue.now()
+    assert listed["a"].next_at - now <= 5 * MINUTE
+    assert queue.unschedule("a") is True
+    assert queue.unschedule("a") is False
+    assert [s.name for s in queue.schedules()] == ["b"]
+    assert queue.unschedule("b") is True
+    assert queue.stats() == []  # the reserved channel left no row behind
+
+
+def test_schedule_bad_input(queue: Queue) -> None:
+    with pytest.raises(InvalidArgumentError, match="cron"):
+        queue.schedule("x", cron="not cron", content=b"")
+    with pytest.raises(InvalidArgumentError, match="schedule name"):
+        queue.schedule("", cron="* * * * *", content=b"")
+    with pytest.raises(InvalidArgumentError, match="schedule name"):
+        queue.schedule("n" * 201, cron="* * * * *", content=b"")
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        queue.schedule("x", cron="* * * * *", content=b"", channel=SCHEDULE_CHANNEL)
+    with pytest.raises(InvalidChannelError):
+        queue.schedule("x", cron="* * * * *", content=b"", channel="")
+    with pytest.raises(InvalidArgumentError, match="bytes"):
+        queue.schedule("x", cron="* * * * *", content="text")  # type: ignore[arg-type]
+    assert queue.schedules() == []
+
+
+def test_wait_returns_when_the_message_finishes(make_queue: Callable[..., Queue]) -> None:
+    queue = make_queue(archive=True)
+    created = queue.create(b"w")
+    assert created.id is not None
+    assert queue.wait(created.id, timeout=0.05) is None  # still waiting
+    message = queue.dequeue(lock_ms=10_000)
+    assert message is not None
+    timer = threading.Timer(0.2, lambda: message.fail(error="nope"))
+    timer.start()
+    outcome = queue.wait(created.id, timeout=10)
+    timer.join()
+    assert outcome is not None
+    assert (outcome.status, outcome.outcome, outcome.error, outcome.num_attempts) == (
+        "finished",
+        "failed",
+        "nope",
+        1,
+    )
+    assert queue.message_status(created.id).done
+    with pytest.raises(InvalidArgumentError):
+        queue.wait(0)
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        queue.wait(created.id, timeout=-1)
+
+
+def test_events_iterates_what_the_queue_publishes(make_queue: Callable[..., Queue]) -> None:
+    queue = make_queue(event_channel="ev_test")
+    events = queue.events(timeout=5)
+    received = []
+    timer = threading.Timer(0.3, lambda: queue.create(b"e", channel="evc"))
+    timer.start()
+    for event in events:
+        received.append(event)
+        break
+    timer.join()
+    assert [(e.type, e.channel) for e in received] == [("created", "evc")]
+
+
+def test_events_need_an_event_channel(queue: Queue) -> None:
+    with pytest.raises(InvalidArgumentError, match="events are off"):
+        next(iter(queue.events(timeout=0.1)))
+
+
+def test_archive_lists_failures_and_replays_each_once(make_queue: Callable[..., Queue]) -> None:
+    queue = make_queue(archive=True)
+    for content in (b"ok", b"bad"):
+        queue.create(content, channel="arc")
+        message = queue.dequeue(lock_ms=10_000)
+        assert message is not None
+        if content == b"bad":
+            message.fail(error="broken")
+        else:
+            message.delete()
+    failed = queue.archived(outcome="failed")
+    assert [(a.content, a.error, a.replayed_as) for a in failed] == [(b"bad", "broken", None)]
+    assert len(queue.archived()) == 2
+    assert len(queue.archived(channel="other")) == 0
+    [result] = queue.replay([failed[0].id])
+    assert result.status == "replayed"
+    assert result.id is not None
+    again = queue.replay([failed[0].id, 999_999])
+    assert [(r.status, r.id) for r in again] == [("already", result.id), ("not_found", None)]
+    replayed = queue.dequeue(lock_ms=10_000)
+    assert replayed is not None
+    assert (replayed.id, replayed.content, replayed.num_attempts) == (result.id, b"bad", 1)
+    with pytest.raises(InvalidArgumentError):
+        queue.archived(limit=0)
+    with pytest.raises(InvalidArgumentError):
+        queue.replay("1")  # type: ignore[arg-type]

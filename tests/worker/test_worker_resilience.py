@@ -1,0 +1,136 @@
+"""Worker gaps beyond the basics: crash-loop bound, a lost connection, metrics, options."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from lonnymq import Message, NewMessage, Queue
+from lonnymq.errors import InvalidArgumentError
+from lonnymq.metrics import MetricsServer, WorkerMetrics
+from lonnymq.worker import Backoff, Worker
+
+
+def test_a_message_past_max_attempts_fails_without_running(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.create(b"crashes its worker", channel="c")
+    # Three workers died holding it: each dequeue counted an attempt, the locks expired.
+    for round_ in range(1, 4):
+        queue.set_clock_offset(round_ * 10_000)
+        assert queue.dequeue(lock_ms=1_000) is not None
+    queue.set_clock_offset(40_000)
+    ran: list[int] = []
+    stats = Worker(queue, lambda m: ran.append(m.id), max_attempts=3).run(
+        handle_signals=False, until_idle=True
+    )
+    assert ran == []
+    assert stats.failed == 1
+    row = admin.execute(
+        sql.SQL("SELECT outcome, error, num_attempts FROM {}.archive").format(
+            sql.Identifier(schema_name)
+        )
+    ).fetchone()
+    assert row is not None
+    assert row[0] == "failed"
+    assert "exceeds max_attempts=3" in row[1]
+    assert row[2] == 4
+
+
+def test_worker_survives_its_connections_being_killed(
+    dsn: str, make_queue: Callable[..., Queue], admin: psycopg.Connection[Any]
+) -> None:
+    app = f"lmq_{uuid.uuid4().hex[:10]}"
+    make_queue(archive=True)  # installs
+    queue = make_queue(install=False, event_channel=None)
+    worker_queue = Queue(make_conninfo(dsn, application_name=app), schema=queue.schema)
+    queue.create_many([NewMessage(f"m{i}".encode(), channel=f"c{i % 3}") for i in range(30)])
+    seen: list[int] = []
+    killed = threading.Event()
+
+    def kill_worker_connections() -> int:
+        rows = admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (app,),
+        ).fetchall()
+        return len(rows)
+
+    def handler(message: Message) -> None:
+        seen.append(message.id)
+        if len(seen) == 10 and not killed.is_set():
+            assert kill_worker_connections() >= 1
+            killed.set()
+
+    try:
+        stats = Worker(worker_queue, handler, concurrency=1, lock_ms=30_000).run(
+            handle_signals=False, until_idle=True
+        )
+    finally:
+        worker_queue.close()
+    assert killed.is_set()
+    assert stats.completed == 30
+    assert sorted(set(seen)) == sorted(seen)  # each handled once: nothing redone, nothing lost
+    assert len(seen) == 30
+    assert queue.stats() == []
+
+
+def test_metrics_endpoint_serves_counters_histograms_and_depth(
+    make_queue: Callable[..., Queue],
+) -> None:
+    queue = make_queue()
+    queue.create_many([NewMessage(b"x", channel="m1"), NewMessage(b"y", channel="m2")])
+    metrics = WorkerMetrics()
+
+    def handler(message: Message) -> None:
+        if message.content == b"y":
+            raise ValueError("no")
+
+    Worker(
+        queue, handler, max_attempts=1, metrics=metrics, backoff=Backoff(base_ms=1, max_ms=1)
+    ).run(handle_signals=False, until_idle=True)
+    queue.create(b"later", channel="m2", dequeue_at=queue.now() + 3_600_000)
+    stats = [(s.channel, s.size, s.in_flight) for s in queue.stats()]
+    server = MetricsServer(lambda: metrics.render(queue.operation_stats(), stats), port=0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as response:
+            body = response.read().decode()
+            assert response.headers["Content-Type"].startswith("text/plain")
+    finally:
+        server.close()
+    assert 'lonnymq_worker_messages_total{channel="m1",event="completed"} 1' in body
+    assert 'lonnymq_worker_messages_total{channel="m2",event="failed"} 1' in body
+    assert 'lonnymq_worker_messages_total{channel="m2",event="handler_error"} 1' in body
+    assert 'lonnymq_handler_seconds_count{channel="m1"} 1' in body
+    assert 'lonnymq_channel_size{channel="m2"} 1' in body
+    assert 'lonnymq_sql_calls_total{operation="message_dequeue_many"}' in body
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"concurrency": 0}, "concurrency"),
+        ({"lock_ms": 10}, "lock_ms"),
+        ({"max_attempts": 0}, "max_attempts"),
+        ({"heartbeat_ms": 30_000}, "heartbeat_ms"),
+        ({"grace_s": -1}, "grace_s"),
+        ({"backoff": 5}, "backoff"),
+        ({"dead_letter_channel": "lonnymq.schedules"}, "reserved"),
+    ],
+)
+def test_bad_worker_options_are_refused(queue: Queue, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        Worker(queue, lambda m: None, **kwargs)
+
+
+def test_bad_backoff_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="Backoff"):
+        Backoff(base_ms=10, max_ms=5)
