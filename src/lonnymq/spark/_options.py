@@ -325,7 +325,6 @@ def write_options(
                 "contentFormat=json needs at least one column besides channel, dequeue_at and "
                 "dedup_key"
             )
-    fail_after = options.get(TEST_FAIL_OPTION)
     return WriteOptions(
         conn=conn,
         channel=channel,
@@ -338,7 +337,11 @@ def write_options(
         on_full=OnFull(_choice(options, "onFull", OnFull, OnFull.FAIL)),
         write_id=None if streaming else _identifier(options, "writeId"),
         sink_id=_identifier(options, "sinkId") if streaming else None,
-        fail_after_write=None if fail_after is None else int(fail_after),
+        fail_after_write=(
+            None
+            if options.get(TEST_FAIL_OPTION) is None
+            else _int(options, TEST_FAIL_OPTION, 0, 0, 1_000_000)
+        ),
     )
 
 
@@ -394,3 +397,23 @@ def stream_read_options(options: Mapping[str, str]) -> StreamReadOptions:
         ),
         partitions=_int(options, "numPartitions", DEFAULT_PARTITIONS, 1, MAX_PARTITIONS),
     )
+
+
+ALL_OPTIONS = BATCH_WRITE_OPTIONS | STREAM_WRITE_OPTIONS | READ_OPTIONS | STREAM_READ_OPTIONS
+
+
+def check_all(options: Mapping[str, str]) -> Connection:
+    """What can be checked before the direction is known (when the data source is created):
+    option names, and the value of every option given."""
+    check_known(options, ALL_OPTIONS, "format('lonnymq')")
+    conn = connection_options(options)
+    _choice(options, "table", Table, Table.MESSAGE)
+    _choice(options, "contentFormat", ContentFormat, ContentFormat.COLUMN)
+    _choice(options, "onFull", OnFull, OnFull.FAIL)
+    _int(options, "numPartitions", DEFAULT_PARTITIONS, 1, MAX_PARTITIONS)
+    _int(options, "fetchSize", 10_000, 1, 1_000_000)
+    _int(options, "lockMs", DEFAULT_LOCK_MS, 1_000, _core.MAX_LOCK_MS)
+    _int(options, "maxMessagesPerBatch", DEFAULT_MAX_MESSAGES, 1, MAX_MESSAGES_PER_BATCH)
+    for name in ("consumer", "snapshot", "channel", "writeId", "sinkId"):
+        _text(options, name)
+    return conn

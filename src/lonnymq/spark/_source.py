@@ -55,7 +55,7 @@ from ._options import (
     StreamReadOptions,
     Table,
     WriteOptions,
-    connection_options,
+    check_all,
     read_options,
     stream_read_options,
     write_options,
@@ -114,7 +114,7 @@ class LonnyMQDataSource(DataSource):
     def __init__(self, options: dict[str, str]) -> None:
         super().__init__(options)
         # Checked here, on the driver, before any job runs; the rest is checked per direction.
-        self._conn = connection_options(self.options)
+        self._conn = check_all(self.options)
         _db.check_installed(self._conn)
 
     def _table(self) -> Table:
@@ -122,6 +122,10 @@ class LonnyMQDataSource(DataSource):
         return Table.ARCHIVE if value == "archive" else Table.MESSAGE
 
     def schema(self) -> str:
+        # Spark asks before it says which direction: a streaming read is the one with a
+        # consumer (a batch read refuses that option).
+        if self.options.get("consumer") is not None:
+            return _read.ddl(_read.STREAM_COLUMNS)
         return _read.ddl(
             _read.ARCHIVE_COLUMNS if self._table() is Table.ARCHIVE else _read.MESSAGE_COLUMNS
         )
