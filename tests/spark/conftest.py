@@ -17,6 +17,9 @@ def spark() -> Iterator[SparkSession]:
     """``local[2,4]``: two task threads, and a failed task is tried up to 4 times."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # Spark's processes inherit the environment the JVM starts with: without LONNYMQ_DSN,
+    # the 'dsn' option is required (tests pass it explicitly).
+    saved_dsn = os.environ.pop("LONNYMQ_DSN", None)
     session = (
         SparkSession.builder.master("local[2,4]")
         .appName("lonnymq-tests")
@@ -29,6 +32,8 @@ def spark() -> Iterator[SparkSession]:
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+    if saved_dsn is not None:
+        os.environ["LONNYMQ_DSN"] = saved_dsn
 
 
 @pytest.fixture
