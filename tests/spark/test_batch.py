@@ -12,7 +12,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from lonnymq import Queue
-from lonnymq.spark import snapshot, write_result
+from lonnymq.spark import LonnyMQDataSource, register, snapshot, write_result
 
 Conn = psycopg.Connection[Any]
 
@@ -205,3 +205,13 @@ def test_read_the_archive(spark: SparkSession, make_queue: Any, options: dict[st
     assert outcomes == {"completed": 20, "failed": 10}
     by_channel = {r.channel: r["count"] for r in frame.groupBy("channel").count().collect()}
     assert by_channel == {"c0": 10, "c1": 10, "c2": 10}
+
+
+def test_the_format_is_registered_without_asking(spark: SparkSession) -> None:
+    # The pyspark_lonnymq module makes format("lonnymq") known to every session; register()
+    # does the same explicitly.
+    from pyspark_lonnymq import DefaultSource
+
+    assert DefaultSource is LonnyMQDataSource
+    assert DefaultSource.name() == "lonnymq"
+    register(spark)

@@ -243,3 +243,33 @@ def test_stream_read_schema(spark: SparkSession, queue: Queue, options: dict[str
     assert frame.columns == [
         "id", "channel", "content", "state", "num_attempts", "dequeue_at", "batch_no"
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_slow_batch_keeps_its_locks(
+    spark: SparkSession, queue: Queue, options: dict[str, Any], tmp_path: Path
+) -> None:
+    # lockMs is 3 s and the batch takes 7 s: the driver's heartbeat renews the locks (every
+    # second), so a competing consumer finds nothing to take while Spark holds the batch.
+    created = _fill(queue, 20)
+    delivered: list[int] = []
+    stolen: list[int] = []
+
+    def sink(batch: DataFrame, batch_id: int) -> None:
+        delivered.extend(r.id for r in batch.select("id").collect())
+        time.sleep(7)
+        stolen.extend(m.id for m in queue.dequeue_many(100, lock_ms=60_000))
+
+    query = (
+        spark.readStream.format("lonnymq")
+        .options(**options, consumer="slow", lockMs="3000")
+        .load()
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(tmp_path / "cp"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(timeout=120)
+    assert stolen == []
+    assert sorted(delivered) == sorted(created)
+    assert queue.stats() == []
