@@ -8,8 +8,9 @@ the message's shape (channel, content, dequeue_at, dedup_key; a bigserial primar
 the fastest way to put those rows into PostgreSQL, and no queue. The lonnymq side is
 ``df.write.format("lonnymq")`` on ``local[2]`` (2 partitions): tasks COPY into staging, the
 driver's commit enqueues through ``message_create_many`` (channels, indexes, sizes). Both load
-the same rows (100 channels, ~40-byte contents). Each figure is the median of ``--reps`` runs
-after one warm-up write; the schemas are dropped at the end.
+the same rows (100 channels, ~40-byte contents, no dedup key). Then, on rows that carry a
+dedup key, staged against ``mode=direct`` (tasks enqueue themselves). Each figure is the
+median of ``--reps`` runs after one warm-up write; the schemas are dropped at the end.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ import statistics
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
 
 from lonnymq import Queue
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 
 def _raw_copy(dsn: str, schema: str, rows: int) -> float:
@@ -83,34 +88,46 @@ def main() -> None:
     )
     frame = frame.cache()
     frame.count()
+    keyed = frame.withColumn("dedup_key", F.col("content").cast("string")).cache()
+    keyed.count()
 
     schemas: list[str] = []
-    raw_times: list[float] = []
-    spark_times: list[float] = []
+    times: dict[str, list[float]] = {"raw": [], "staged": [], "keyed staged": [], "direct": []}
+
+    def write(data: DataFrame, **extra: str) -> float:
+        schema = f"bench_spark_{uuid.uuid4().hex[:8]}"
+        schemas.append(schema)
+        with Queue(args.dsn, schema=schema) as queue:
+            queue.install()
+        started = time.perf_counter()
+        data.write.format("lonnymq").options(dsn=args.dsn, schema=schema, **extra).mode(
+            "append"
+        ).save()
+        seconds = time.perf_counter() - started
+        with psycopg.connect(args.dsn) as conn:
+            count = conn.execute(
+                sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+            ).fetchone()
+        assert count == (args.rows,), count
+        return seconds
+
     try:
         for rep in range(args.reps + 1):
-            schema = f"bench_spark_{uuid.uuid4().hex[:8]}"
-            schemas.append(schema)
-            with Queue(args.dsn, schema=schema) as queue:
-                queue.install()
-            options = {"dsn": args.dsn, "schema": schema}
-            started = time.perf_counter()
-            frame.write.format("lonnymq").options(**options).mode("append").save()
-            spark_s = time.perf_counter() - started
-            raw_s = _raw_copy(args.dsn, schema, args.rows)
-            with psycopg.connect(args.dsn) as conn:
-                count = conn.execute(
-                    sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
-                ).fetchone()
-            assert count == (args.rows,), count
+            figures = {
+                "staged": write(frame),
+                "raw": _raw_copy(args.dsn, schemas[-1], args.rows),
+                "keyed staged": write(keyed),
+                "direct": write(keyed, mode="direct"),
+            }
             label = "warm-up" if rep == 0 else f"run {rep}"
             print(
-                f"{label}: lonnymq spark write {args.rows / spark_s:,.0f} rows/s, "
-                f"raw binary COPY {args.rows / raw_s:,.0f} rows/s"
+                label
+                + ": "
+                + ", ".join(f"{k} {args.rows / v:,.0f} rows/s" for k, v in figures.items())
             )
             if rep > 0:
-                spark_times.append(spark_s)
-                raw_times.append(raw_s)
+                for name, seconds in figures.items():
+                    times[name].append(seconds)
     finally:
         with psycopg.connect(args.dsn, autocommit=True) as conn:
             for schema in schemas:
@@ -118,11 +135,14 @@ def main() -> None:
                     sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
                 )
         spark.stop()
-    spark_rate = args.rows / statistics.median(spark_times)
-    raw_rate = args.rows / statistics.median(raw_times)
+    rate = {name: args.rows / statistics.median(seconds) for name, seconds in times.items()}
     print(
-        f"median of {args.reps}: lonnymq spark write {spark_rate:,.0f} rows/s, raw binary COPY "
-        f"{raw_rate:,.0f} rows/s, ratio {spark_rate / raw_rate:.2f}"
+        f"median of {args.reps}: lonnymq spark write {rate['staged']:,.0f} rows/s, raw binary "
+        f"COPY {rate['raw']:,.0f} rows/s, ratio {rate['staged'] / rate['raw']:.2f}"
+    )
+    print(
+        f"with dedup keys: staged {rate['keyed staged']:,.0f} rows/s, mode=direct "
+        f"{rate['direct']:,.0f} rows/s ({rate['direct'] / rate['keyed staged']:.2f}x)"
     )
 
 

@@ -215,3 +215,22 @@ def test_the_format_is_registered_without_asking(spark: SparkSession) -> None:
     assert DefaultSource is LonnyMQDataSource
     assert DefaultSource.name() == "lonnymq"
     register(spark)
+
+
+def test_direct_mode_needs_dedup_keys_and_enqueues_once(
+    spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any]
+) -> None:
+    frame = _frame(spark, 4_000)
+    with pytest.raises(Exception, match="mode=direct needs a dedup key"):
+        frame.drop("dedup_key").write.format("lonnymq").options(**options, mode="direct").mode(
+            "append"
+        ).save()
+    # A task that fails after enqueuing is retried: its rows' dedup keys absorb the replay.
+    (
+        frame.write.format("lonnymq")
+        .options(**options, mode="direct", _testFailAfterWrite="2")
+        .mode("append")
+        .save()
+    )
+    assert _count(admin, queue.schema, "message") == 4_000
+    assert _count(admin, queue.schema, "spark_stage") == 0

@@ -24,6 +24,7 @@ __all__ = [
     "ReadOptions",
     "StreamReadOptions",
     "Table",
+    "WriteMode",
     "WriteOptions",
     "check_known",
     "connection_options",
@@ -63,6 +64,16 @@ class ContentFormat(StrEnum):
     """The columns not mapped to channel, dequeue_at or dedup_key, as one JSON object."""
 
 
+class WriteMode(StrEnum):
+    """How a batch write enqueues."""
+
+    STAGED = "staged"
+    """Tasks stage, the driver's commit enqueues: all or nothing, once per task retry."""
+    DIRECT = "direct"
+    """Tasks enqueue their rows themselves (faster): not all or nothing, and a retried task
+    is harmless only through its rows' dedup keys, which are required."""
+
+
 class OnFull(StrEnum):
     """What a write does when channels at their ``max_size`` refuse messages."""
 
@@ -93,6 +104,7 @@ class WriteOptions:
     dedup_key_column: str | None
     json_columns: tuple[str, ...]
     on_full: OnFull
+    mode: WriteMode
     write_id: str | None
     sink_id: str | None
     fail_after_write: int | None
@@ -205,7 +217,7 @@ WRITE_OPTIONS = COMMON_OPTIONS | {
     "onFull",
     TEST_FAIL_OPTION,
 }
-BATCH_WRITE_OPTIONS = WRITE_OPTIONS | {"writeId"}
+BATCH_WRITE_OPTIONS = WRITE_OPTIONS | {"writeId", "mode"}
 STREAM_WRITE_OPTIONS = WRITE_OPTIONS | {"sinkId"}
 
 
@@ -325,6 +337,17 @@ def write_options(
                 "contentFormat=json needs at least one column besides channel, dequeue_at and "
                 "dedup_key"
             )
+    mode = WriteMode(_choice(options, "mode", WriteMode, WriteMode.STAGED))
+    if mode is WriteMode.DIRECT:
+        if dedup_key_column is None:
+            raise InvalidArgumentError(
+                "lonnymq option mode=direct needs a dedup key per row (a 'dedup_key' column, "
+                "or option 'dedupKeyColumn'): it is what makes a retried task harmless"
+            )
+        if options.get("writeId") is not None:
+            raise InvalidArgumentError(
+                "lonnymq option 'writeId' needs mode=staged (a direct write records no commit)"
+            )
     return WriteOptions(
         conn=conn,
         channel=channel,
@@ -335,6 +358,7 @@ def write_options(
         dedup_key_column=dedup_key_column,
         json_columns=json_columns,
         on_full=OnFull(_choice(options, "onFull", OnFull, OnFull.FAIL)),
+        mode=mode,
         write_id=None if streaming else _identifier(options, "writeId"),
         sink_id=_identifier(options, "sinkId") if streaming else None,
         fail_after_write=(
@@ -410,6 +434,7 @@ def check_all(options: Mapping[str, str]) -> Connection:
     _choice(options, "table", Table, Table.MESSAGE)
     _choice(options, "contentFormat", ContentFormat, ContentFormat.COLUMN)
     _choice(options, "onFull", OnFull, OnFull.FAIL)
+    _choice(options, "mode", WriteMode, WriteMode.STAGED)
     _int(options, "numPartitions", DEFAULT_PARTITIONS, 1, MAX_PARTITIONS)
     _int(options, "fetchSize", 10_000, 1, 1_000_000)
     _int(options, "lockMs", DEFAULT_LOCK_MS, 1_000, _core.MAX_LOCK_MS)

@@ -54,6 +54,7 @@ from ._options import (
     ReadOptions,
     StreamReadOptions,
     Table,
+    WriteMode,
     WriteOptions,
     check_all,
     read_options,
@@ -272,6 +273,13 @@ def _staged(messages: list[WriterCommitMessage | None]) -> list[StagedTask]:
     return [m for m in messages if isinstance(m, StagedTask)]
 
 
+@dataclass(frozen=True)
+class DirectTask(WriterCommitMessage):
+    """What one successful mode=direct task enqueued."""
+
+    result: _write.WriteResult
+
+
 class _BatchWriter(DataSourceArrowWriter):
     def __init__(self, opts: WriteOptions) -> None:
         self._opts = opts
@@ -279,13 +287,22 @@ class _BatchWriter(DataSourceArrowWriter):
         self._write_id = uuid.uuid4().hex
         self._sink_id = opts.write_id or self._write_id
 
-    def write(self, iterator: Iterator[Any]) -> StagedTask:
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        if self._opts.mode is WriteMode.DIRECT:
+            result = _write.create_direct(self._opts, iterator)
+            _maybe_fail(self._opts)
+            return DirectTask(result)
         tag = _task_tag()
         n_rows = _write.stage(self._opts, self._write_id, tag, iterator)
         _maybe_fail(self._opts)
         return StagedTask(self._write_id, tag, n_rows)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        if self._opts.mode is WriteMode.DIRECT:
+            _write.check_direct(
+                self._opts, [m.result for m in messages if isinstance(m, DirectTask)]
+            )
+            return
         staged = _staged(messages)
         _write.commit(
             self._opts,
@@ -298,7 +315,8 @@ class _BatchWriter(DataSourceArrowWriter):
         )
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        _write.clear(self._opts, [self._write_id])
+        if self._opts.mode is WriteMode.STAGED:
+            _write.clear(self._opts, [self._write_id])
 
 
 # -- streaming write ---------------------------------------------------------------------

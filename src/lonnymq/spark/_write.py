@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
 
+from .. import _core
 from ..errors import InvalidArgumentError
 from . import _db
 from ._errors import SparkWriteError
@@ -24,12 +25,15 @@ from ._options import Connection, ContentFormat, OnFull, WriteOptions
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["WriteResult", "clear", "commit", "is_committed", "stage"]
+__all__ = ["WriteResult", "clear", "commit", "create_direct", "is_committed", "stage"]
 
 log = logging.getLogger("lonnymq.spark")
 
 # Streaming sinks keep the commit records of their last micro-batches only.
 SINK_KEEP_BATCHES = 100
+
+# Rows per message_create_many call (one transaction) in mode=direct.
+DIRECT_CHUNK = 10_000
 
 _COPY_TYPES = ["text", "text", "int4", "text", "bytea", "int8", "text"]
 
@@ -133,6 +137,37 @@ def stage(
     return seq
 
 
+def create_direct(opts: WriteOptions, batches: Iterable[pa.RecordBatch]) -> WriteResult:
+    """mode=direct: enqueue a task's rows straight away, in chunks of one transaction each."""
+    schema = opts.conn.schema
+    db = _db.executor_connection(opts.conn)
+    statement = _core.Statements(schema)["message_create_many"]
+    counts = {"created": 0, "deduplicated": 0, "dropped": 0}
+    full: set[str] = set()
+    for batch in batches:
+        channels, contents, dequeue_ats, dedup_keys = _columns(opts, batch)
+        for start in range(0, len(contents), DIRECT_CHUNK):
+            part = slice(start, start + DIRECT_CHUNK)
+            params = {
+                "channels": channels[part],
+                "contents": contents[part],
+                "dequeue_ats": dequeue_ats[part],
+                "dedup_keys": dedup_keys[part],
+            }
+            with _db.translated(schema), db.transaction():
+                rows = db.execute(statement, params).fetchall()
+            for (status, _, _), channel in zip(rows, channels[part], strict=True):
+                counts[status] += 1
+                if status == "dropped":
+                    full.add(channel or _core.DEFAULT_CHANNEL)
+    return WriteResult(
+        created=counts["created"],
+        deduplicated=counts["deduplicated"],
+        dropped=counts["dropped"],
+        dropped_channels=tuple(sorted(full)[:20]),
+    )
+
+
 def drain(batches: Iterator[Any]) -> None:
     """Consume a task's input without staging it (a replayed, already committed batch)."""
     for _ in batches:
@@ -210,6 +245,25 @@ def commit(
     )
     log.info("lonnymq write %s/%s committed: %s", sink_id, batch_id, result)
     return result
+
+
+def check_direct(opts: WriteOptions, results: Sequence[WriteResult]) -> WriteResult:
+    """The total of a direct write's tasks; with onFull=fail, raise when rows were refused
+    (the rest stays enqueued: a direct write is not all or nothing)."""
+    total = WriteResult(
+        created=sum(r.created for r in results),
+        deduplicated=sum(r.deduplicated for r in results),
+        dropped=sum(r.dropped for r in results),
+        dropped_channels=tuple(sorted({c for r in results for c in r.dropped_channels})[:20]),
+    )
+    if total.dropped and opts.on_full is OnFull.FAIL:
+        raise SparkWriteError(
+            f"{total.dropped} message(s) were refused by channels at their max_size "
+            f"({', '.join(total.dropped_channels)}); with mode=direct the other "
+            f"{total.created + total.deduplicated} were enqueued (or already there)"
+        )
+    log.info("lonnymq direct write done: %s", total)
+    return total
 
 
 def clear(opts: WriteOptions, write_ids: Iterable[str]) -> None:
