@@ -70,8 +70,8 @@ class WriteMode(StrEnum):
     STAGED = "staged"
     """Tasks stage, the driver's commit enqueues: all or nothing, once per task retry."""
     DIRECT = "direct"
-    """Tasks enqueue their rows themselves (faster): not all or nothing, and a retried task
-    is harmless only through its rows' dedup keys, which are required."""
+    """Tasks enqueue their rows themselves: no staging, but not all or nothing, and a retried
+    task is harmless only through its rows' dedup keys, which are required."""
 
 
 class OnFull(StrEnum):
