@@ -138,3 +138,12 @@ def test_plan_acks_releases_and_records(queue: Queue, admin: Conn) -> None:
     assert [bytes(r[2]) for r in read] == [b"m2", b"m3", b"m4"]
     assert _call(admin, schema, "spark_batch_ack", {"consumer": "k", "batch_no": 2}) == [(3,)]
     assert queue.stats() == []
+
+
+def test_public_names_exist_and_are_documented() -> None:
+    import lonnymq.spark
+
+    assert lonnymq.spark.__all__
+    for name in lonnymq.spark.__all__:
+        value = getattr(lonnymq.spark, name)
+        assert value.__doc__, f"lonnymq.spark.{name} has no docstring"
