@@ -328,17 +328,22 @@ AS $$
 DECLARE
     v_ids BIGINT[];
     v_attempts INTEGER[];
+    v_done BIGINT := 0;
 BEGIN
     WITH done AS (
         DELETE FROM spark_batch b WHERE b.consumer = p_consumer AND b.batch_no <= p_batch_no
         RETURNING b.msg_id, b.num_attempts
     )
-    SELECT array_agg(d.msg_id), array_agg(d.num_attempts) INTO v_ids, v_attempts FROM done d;
-    IF v_ids IS NULL THEN
-        RETURN 0;
-    END IF;
-    RETURN (SELECT count(*) FROM message_delete_many(v_ids, v_attempts) r
+    SELECT array_agg(d.msg_id ORDER BY d.msg_id), array_agg(d.num_attempts ORDER BY d.msg_id)
+    INTO v_ids, v_attempts FROM done d;
+    -- message_delete_many takes at most 100000 ids per call.
+    FOR v_from IN 1..coalesce(cardinality(v_ids), 0) BY 50000 LOOP
+        v_done := v_done + (SELECT count(*)
+            FROM message_delete_many(v_ids[v_from:v_from + 49999],
+                v_attempts[v_from:v_from + 49999]) r
             WHERE r.status = 'ok');
+    END LOOP;
+    RETURN v_done;
 END;
 $$;
 
@@ -352,17 +357,21 @@ AS $$
 DECLARE
     v_ids BIGINT[];
     v_attempts INTEGER[];
+    v_done BIGINT := 0;
 BEGIN
     WITH orphan AS (
         DELETE FROM spark_batch b WHERE b.consumer = p_consumer AND b.batch_no > p_batch_no
         RETURNING b.msg_id, b.num_attempts
     )
-    SELECT array_agg(o.msg_id), array_agg(o.num_attempts) INTO v_ids, v_attempts
-    FROM orphan o;
-    IF v_ids IS NULL THEN
-        RETURN 0;
-    END IF;
-    RETURN (SELECT count(*) FROM message_defer_many(v_ids, v_attempts) r WHERE r.status = 'ok');
+    SELECT array_agg(o.msg_id ORDER BY o.msg_id), array_agg(o.num_attempts ORDER BY o.msg_id)
+    INTO v_ids, v_attempts FROM orphan o;
+    FOR v_from IN 1..coalesce(cardinality(v_ids), 0) BY 50000 LOOP
+        v_done := v_done + (SELECT count(*)
+            FROM message_defer_many(v_ids[v_from:v_from + 49999],
+                v_attempts[v_from:v_from + 49999]) r
+            WHERE r.status = 'ok');
+    END LOOP;
+    RETURN v_done;
 END;
 $$;
 
@@ -449,17 +458,22 @@ AS $$
 DECLARE
     v_ids BIGINT[];
     v_attempts INTEGER[];
+    v_counts RECORD;
 BEGIN
-    SELECT array_agg(b.msg_id), array_agg(b.num_attempts) INTO v_ids, v_attempts
+    SELECT array_agg(b.msg_id ORDER BY b.msg_id), array_agg(b.num_attempts ORDER BY b.msg_id)
+    INTO v_ids, v_attempts
     FROM spark_batch b WHERE b.consumer = p_consumer;
-    IF v_ids IS NULL THEN
-        extended := 0; lost := 0;
-        RETURN NEXT;
-        RETURN;
-    END IF;
-    RETURN QUERY
-        SELECT count(*) FILTER (WHERE h.status = 'ok'), count(*) FILTER (WHERE h.status <> 'ok')
-        FROM message_heartbeat_many(v_ids, v_attempts, p_lock_ms) h;
+    extended := 0; lost := 0;
+    FOR v_from IN 1..coalesce(cardinality(v_ids), 0) BY 50000 LOOP
+        SELECT count(*) FILTER (WHERE h.status = 'ok') AS ok,
+               count(*) FILTER (WHERE h.status <> 'ok') AS gone
+        INTO v_counts
+        FROM message_heartbeat_many(v_ids[v_from:v_from + 49999],
+            v_attempts[v_from:v_from + 49999], p_lock_ms) h;
+        extended := extended + v_counts.ok;
+        lost := lost + v_counts.gone;
+    END LOOP;
+    RETURN NEXT;
 END;
 $$;
 
