@@ -30,7 +30,7 @@ def main() -> None:
     spark.sparkContext.setLogLevel("ERROR")
     stream = (
         spark.readStream.format("lonnymq")
-        .options(dsn=dsn, schema=source, consumer="pipe", maxMessagesPerBatch="200")
+        .options(dsn=dsn, schema=source, consumer="pipe", maxMessagesPerBatch="100")
         .options(lockMs="20000", numPartitions="2")
         .load()
     )

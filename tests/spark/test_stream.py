@@ -174,7 +174,7 @@ def test_a_killed_pipeline_restarts_from_its_checkpoint_with_nothing_lost_or_dou
             time.sleep(0.2)
         assert child.poll() is None, child.stderr.read().decode()[-3000:] if child.stderr else ""
         assert len(committed) >= 2, "the pipeline did not get going"
-        time.sleep(random.uniform(0.0, 1.0))  # somewhere inside a micro-batch
+        time.sleep(random.uniform(0.0, 0.5))  # somewhere inside a micro-batch
     finally:
         _kill_tree(child)
     at_kill = len(_json_contents(admin, target.schema))
