@@ -1,0 +1,115 @@
+"""The data source's one place that talks to PostgreSQL: its named statements, connections
+(cached per executor process) and error translation. No pyspark here."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .. import migrate
+from ..errors import SchemaNotInstalledError, SchemaVersionError, translate
+from ._options import Connection
+
+__all__ = ["SPARK_SCHEMA_VERSION", "check_installed", "connect", "executor_connection", "run"]
+
+# The migration that adds what the data source calls.
+SPARK_SCHEMA_VERSION = 2
+
+Conn = psycopg.Connection[Any]
+
+
+@cache
+def statement_texts() -> dict[str, str]:
+    """The named statements of ``spark/statements.sql``."""
+    text = resources.files("lonnymq.spark").joinpath("statements.sql").read_text("utf-8")
+    statements: dict[str, str] = {}
+    name: str | None = None
+    lines: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("-- name: "):
+            if name is not None:
+                statements[name] = "\n".join(lines).strip()
+            name, lines = line.removeprefix("-- name: ").strip(), []
+        elif name is not None and not line.startswith("--"):
+            lines.append(line)
+    if name is not None:
+        statements[name] = "\n".join(lines).strip()
+    return statements
+
+
+@cache
+def statement(schema: str, name: str) -> sql.Composed:
+    return sql.SQL(statement_texts()[name]).format(schema=sql.Identifier(schema))
+
+
+def connect(conn: Connection, *, autocommit: bool = True) -> Conn:
+    """A new connection to the queue's database."""
+    try:
+        return psycopg.connect(conn.dsn, autocommit=autocommit, application_name="lonnymq-spark")
+    except psycopg.Error as err:
+        raise translate(err, schema=conn.schema) from err
+
+
+_cache_lock = threading.Lock()
+_cache: dict[tuple[int, str], Conn] = {}
+
+
+def executor_connection(conn: Connection) -> Conn:
+    """A connection kept for this process (Spark reuses its Python workers across tasks),
+    opened again when it was closed or broken. Not in autocommit: callers run transactions."""
+    key = (os.getpid(), conn.dsn)
+    with _cache_lock:
+        cached = _cache.get(key)
+        if cached is not None and not cached.closed and not cached.broken:
+            if cached.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                return cached
+            cached.close()
+        fresh = connect(conn, autocommit=False)
+        _cache[key] = fresh
+        return fresh
+
+
+@contextmanager
+def translated(schema: str) -> Iterator[None]:
+    """Turn driver errors into lonnymq errors."""
+    try:
+        yield
+    except psycopg.Error as err:
+        raise translate(err, schema=schema) from err
+
+
+def run(db: Conn, schema: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Run a named statement and return its rows."""
+    with translated(schema):
+        return db.execute(statement(schema, name), params).fetchall()
+
+
+def check_installed(conn: Connection) -> None:
+    """Refuse early, on the driver, when the schema lacks what the data source needs."""
+    with connect(conn) as db, translated(conn.schema):
+        row = db.execute(
+            "SELECT to_regclass(format('%%I.migration', %s::text)) IS NOT NULL", [conn.schema]
+        ).fetchone()
+        version = 0
+        if row is not None and row[0]:
+            found = db.execute(migrate.applied_statement(conn.schema)).fetchone()
+            version = int(found[0]) if found is not None else 0
+    if version == 0:
+        raise SchemaNotInstalledError(
+            f"lonnymq is not installed in schema {conn.schema!r} of that database "
+            f"(lonnymq option 'schema'); run Queue(dsn, schema=...).install() or "
+            f"`lonnymq install` first"
+        )
+    if version < SPARK_SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"schema {conn.schema!r} is at version {version}; the Spark data source needs "
+            f"version {SPARK_SCHEMA_VERSION}: run install() again to upgrade it"
+        )

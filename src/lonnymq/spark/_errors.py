@@ -1,0 +1,15 @@
+"""Errors of the Spark data source (part of the lonnymq error tree)."""
+
+from __future__ import annotations
+
+from ..errors import LonnyMQError
+
+__all__ = ["ConsumerBusyError", "SparkWriteError"]
+
+
+class SparkWriteError(LonnyMQError):
+    """A Spark write could not be committed; nothing of it was enqueued."""
+
+
+class ConsumerBusyError(LonnyMQError):
+    """Another running streaming query uses this consumer name: give each query its own."""

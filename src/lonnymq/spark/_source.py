@@ -1,0 +1,372 @@
+"""The ``lonnymq`` data source: PySpark's Python Data Source API over the queue.
+
+Which process runs what (PySpark 4.3): ``LonnyMQDataSource.__init__``, ``reader()``,
+``writer()``, ``partitions()`` and the writers' ``commit``/``abort`` run in short-lived planner
+processes of the driver; ``read()`` and ``write()`` run in executor workers, on a pickled copy
+made at planning time; the stream reader's ``latestOffset``/``partitions``/``commit``/``stop``
+run in one long-lived runner process per query. So options are checked once on the driver,
+objects stay picklable (connections and threads are made lazily and never pickled), and
+everything a commit needs travels in the commit messages.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark import TaskContext
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceStreamArrowWriter,
+    DataSourceStreamReader,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    ByteType,
+    DataType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
+
+from ..errors import InvalidArgumentError
+from . import _db, _read, _write
+from ._options import (
+    MAX_MESSAGES_PER_BATCH,
+    TEST_FAIL_OPTION,
+    ColumnInfo,
+    ReadOptions,
+    StreamReadOptions,
+    Table,
+    WriteMode,
+    WriteOptions,
+    check_all,
+    read_options,
+    stream_read_options,
+    write_options,
+)
+
+__all__ = ["LonnyMQDataSource"]
+
+
+def _kind(data_type: DataType) -> str:
+    if isinstance(data_type, StringType):
+        return "string"
+    if isinstance(data_type, BinaryType):
+        return "binary"
+    if isinstance(data_type, LongType | IntegerType | ShortType | ByteType):
+        return "integer"
+    if isinstance(data_type, TimestampType | TimestampNTZType):
+        return "timestamp"
+    return "other"
+
+
+def _columns(schema: StructType) -> list[ColumnInfo]:
+    return [ColumnInfo(field.name, _kind(field.dataType)) for field in schema.fields]
+
+
+def _task_tag() -> str:
+    """A tag unique to this task attempt (a retry or a speculative twin gets another)."""
+    ctx = TaskContext.get()
+    if ctx is None:
+        return f"local-{uuid.uuid4().hex}"
+    return (
+        f"p{ctx.partitionId()}-a{ctx.attemptNumber()}-t{ctx.taskAttemptId()}-{uuid.uuid4().hex[:8]}"
+    )
+
+
+def _maybe_fail(opts: WriteOptions) -> None:
+    """Test hook (option ``_testFailAfterWrite=P``): the first attempt of partition P fails
+    after its rows were staged, as a lost executor would."""
+    ctx = TaskContext.get()
+    if (
+        opts.fail_after_write is not None
+        and ctx is not None
+        and ctx.partitionId() == opts.fail_after_write
+        and ctx.attemptNumber() == 0
+    ):
+        raise RuntimeError(f"{TEST_FAIL_OPTION}: partition {ctx.partitionId()} fails after write")
+
+
+class LonnyMQDataSource(DataSource):
+    """``format("lonnymq")``: enqueue DataFrames, read the queue or its archive, drain the
+    queue into a stream, and enqueue a stream, exactly once per micro-batch."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "lonnymq"
+
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options)
+        # Checked here, on the driver, before any job runs; the rest is checked per direction.
+        self._conn = check_all(self.options)
+        _db.check_installed(self._conn)
+
+    def _table(self) -> Table:
+        value = str(self.options.get("table") or "message").lower()
+        return Table.ARCHIVE if value == "archive" else Table.MESSAGE
+
+    def schema(self) -> str:
+        # Spark asks before it says which direction: a streaming read is the one with a
+        # consumer (a batch read refuses that option).
+        if self.options.get("consumer") is not None:
+            return _read.ddl(_read.STREAM_COLUMNS)
+        return _read.ddl(
+            _read.ARCHIVE_COLUMNS if self._table() is Table.ARCHIVE else _read.MESSAGE_COLUMNS
+        )
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return _BatchReader(read_options(self.options))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return _StreamReader(stream_read_options(self.options))
+
+    def writer(self, schema: StructType, overwrite: bool) -> _BatchWriter:
+        if overwrite:
+            raise InvalidArgumentError(
+                "lonnymq only appends to a queue: use mode('append'), not overwrite"
+            )
+        return _BatchWriter(write_options(self.options, _columns(schema), streaming=False))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> _StreamWriter:
+        if overwrite:
+            raise InvalidArgumentError("lonnymq only appends to a queue: use outputMode('append')")
+        return _StreamWriter(write_options(self.options, _columns(schema), streaming=True))
+
+
+# -- batch read --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IdRange(InputPartition):
+    """Ids ``lo`` to ``hi`` (inclusive) of the table: one task."""
+
+    lo: int
+    hi: int
+
+
+class _BatchReader(DataSourceReader):
+    def __init__(self, opts: ReadOptions) -> None:
+        self._opts = opts
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return [IdRange(lo, hi) for lo, hi in _read.plan_ranges(self._opts)]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        if not isinstance(partition, IdRange):  # an empty table: one empty partition
+            return iter(())
+        return _read.read_range(self._opts, partition.lo, partition.hi)
+
+
+# -- streaming read ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchSlice(InputPartition):
+    """Slice ``index`` of ``slices`` (by message id) of the batches in (after, upto]."""
+
+    after: int
+    upto: int
+    index: int
+    slices: int
+
+
+class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Offsets are ``{"batch": N}``: the consumer's planned-batch counter."""
+
+    def __init__(self, opts: StreamReadOptions) -> None:
+        self._opts = opts
+        self._runner: _read.ConsumerRunner | None = None
+        self._max_id: int | None = None
+        self._available_now = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Executors get the options only: never a connection or a thread.
+        return {"_opts": self._opts, "_runner": None, "_max_id": None, "_available_now": False}
+
+    def _consumer(self) -> _read.ConsumerRunner:
+        if self._runner is None:
+            self._runner = _read.ConsumerRunner(self._opts)
+        return self._runner
+
+    def initialOffset(self) -> dict[str, int]:
+        return {"batch": 0}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self._opts.max_messages)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._available_now = True
+        self._max_id = self._consumer().max_id()
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        if isinstance(limit, ReadMaxRows):
+            wanted = max(1, min(limit.max_rows, MAX_MESSAGES_PER_BATCH))
+        elif isinstance(limit, ReadAllAvailable):
+            wanted = MAX_MESSAGES_PER_BATCH
+        else:
+            wanted = self._opts.max_messages
+        if self._available_now and self._max_id is None:
+            # The queue was empty when the run started: nothing is available now. Still
+            # finish the batch Spark has just committed.
+            self._consumer().ack(int(start["batch"]))
+            return {"batch": int(start["batch"])}
+        batch_no, _ = self._consumer().plan(int(start["batch"]), wanted, self._max_id)
+        return {"batch": batch_no}
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        self._consumer()  # a replay after a restart starts here: take the consumer, heartbeat
+        after, upto = int(start["batch"]), int(end["batch"])
+        if upto <= after:
+            return []
+        slices = self._opts.partitions
+        return [BatchSlice(after, upto, index, slices) for index in range(slices)]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        assert isinstance(partition, BatchSlice)
+        return _read.read_slice(
+            self._opts, partition.after, partition.upto, partition.index, partition.slices
+        )
+
+    def commit(self, end: dict[str, int]) -> None:
+        self._consumer().ack(int(end["batch"]))
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+
+# -- batch write -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StagedTask(WriterCommitMessage):
+    """What one successful write task staged."""
+
+    write_id: str
+    task_tag: str
+    n_rows: int
+    sink_id: str | None = None
+    batch_id: int | None = None
+    skipped: bool = False
+
+
+def _staged(messages: list[WriterCommitMessage | None]) -> list[StagedTask]:
+    """The messages of the tasks that succeeded (a failed task's is None)."""
+    return [m for m in messages if isinstance(m, StagedTask)]
+
+
+@dataclass(frozen=True)
+class DirectTask(WriterCommitMessage):
+    """What one successful mode=direct task enqueued."""
+
+    result: _write.WriteResult
+
+
+class _BatchWriter(DataSourceArrowWriter):
+    def __init__(self, opts: WriteOptions) -> None:
+        self._opts = opts
+        # Made on the driver, so every task and the commit share it (one pickle).
+        self._write_id = uuid.uuid4().hex
+        self._sink_id = opts.write_id or self._write_id
+
+    def write(self, iterator: Iterator[Any]) -> WriterCommitMessage:
+        if self._opts.mode is WriteMode.DIRECT:
+            result = _write.create_direct(self._opts, iterator)
+            _maybe_fail(self._opts)
+            return DirectTask(result)
+        tag = _task_tag()
+        n_rows = _write.stage(self._opts, self._write_id, tag, iterator)
+        _maybe_fail(self._opts)
+        return StagedTask(self._write_id, tag, n_rows)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        if self._opts.mode is WriteMode.DIRECT:
+            _write.check_direct(
+                self._opts, [m.result for m in messages if isinstance(m, DirectTask)]
+            )
+            return
+        staged = _staged(messages)
+        _write.commit(
+            self._opts,
+            sink_id=self._sink_id,
+            batch_id=0,
+            write_id=self._write_id,
+            task_tags=[m.task_tag for m in staged],
+            expected_rows=sum(m.n_rows for m in staged),
+            streaming=False,
+        )
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        if self._opts.mode is WriteMode.STAGED:
+            _write.clear(self._opts, [self._write_id])
+
+
+# -- streaming write ---------------------------------------------------------------------
+
+
+class _StreamWriter(DataSourceStreamArrowWriter):
+    """Exactly once per micro-batch: the batch's commit is recorded under (sink id, batch id)
+    in the transaction that enqueues it, so a replayed batch enqueues nothing."""
+
+    def __init__(self, opts: WriteOptions) -> None:
+        self._opts = opts
+        self._write_id = uuid.uuid4().hex
+
+    def write(self, iterator: Iterator[Any]) -> StagedTask:
+        ctx = TaskContext.get()
+        batch = ctx.getLocalProperty("streaming.sql.batchId") if ctx is not None else None
+        query = ctx.getLocalProperty("sql.streaming.queryId") if ctx is not None else None
+        if batch is None or query is None:
+            raise InvalidArgumentError("the lonnymq stream writer runs only in a streaming query")
+        batch_id = int(batch)
+        sink_id = self._opts.sink_id or str(query)
+        tag = _task_tag()
+        if _write.is_committed(self._opts, sink_id, batch_id):
+            _write.drain(iterator)
+            return StagedTask(self._write_id, tag, 0, sink_id, batch_id, skipped=True)
+        n_rows = _write.stage(self._opts, self._write_id, tag, iterator)
+        _maybe_fail(self._opts)
+        return StagedTask(self._write_id, tag, n_rows, sink_id, batch_id)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        staged = _staged(messages)
+        sink_ids = {m.sink_id for m in staged if m.sink_id is not None}
+        if self._opts.sink_id is not None:
+            sink_ids = {self._opts.sink_id}
+        if not sink_ids:
+            return  # no task ran: nothing to enqueue or record
+        if len(sink_ids) > 1:
+            raise InvalidArgumentError(f"one micro-batch wrote for several sinks: {sink_ids}")
+        write_ids = {m.write_id for m in staged}
+        _write.commit(
+            self._opts,
+            sink_id=sink_ids.pop(),
+            batch_id=batchId,
+            write_id=write_ids.pop() if len(write_ids) == 1 else "",
+            task_tags=[m.task_tag for m in staged if not m.skipped],
+            expected_rows=sum(m.n_rows for m in staged),
+            streaming=True,
+        )
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        write_ids = {m.write_id for m in _staged(messages)}
+        if write_ids:
+            _write.clear(self._opts, write_ids)

@@ -1,0 +1,286 @@
+"""Writes: a task stages its rows with one binary COPY, the driver promotes the winners.
+
+Why staging: a Python write task's rows are durable before Spark decides which attempt of the
+task won (a failed, retried or speculative attempt leaves its rows behind), so tasks never
+create messages. The driver's commit enqueues the rows of the attempts Spark reports as
+successful, in one transaction that also records the commit (see ``0004_spark.sql``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from psycopg import sql
+
+from .. import _core
+from ..errors import InvalidArgumentError
+from . import _db
+from ._errors import SparkWriteError
+from ._options import Connection, ContentFormat, OnFull, WriteOptions
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = ["WriteResult", "clear", "commit", "create_direct", "is_committed", "stage"]
+
+log = logging.getLogger("lonnymq.spark")
+
+# Streaming sinks keep the commit records of their last micro-batches only.
+SINK_KEEP_BATCHES = 100
+
+# Rows per message_create_many call (one transaction) in mode=direct.
+DIRECT_CHUNK = 10_000
+
+_COPY_TYPES = ["text", "text", "int4", "text", "bytea", "int8", "text"]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    """What a committed write enqueued.
+
+    ``created`` new messages; ``deduplicated`` rows whose ``dedup_key`` a live message of
+    their channel already had; ``dropped`` rows refused by channels at their ``max_size``
+    (``dropped_channels`` names up to 20 of those channels). ``replayed`` is true when the
+    write had already been committed (a replayed micro-batch): nothing was enqueued again.
+    """
+
+    created: int
+    deduplicated: int
+    dropped: int
+    dropped_channels: tuple[str, ...] = ()
+    replayed: bool = False
+
+
+def _copy_statement(schema: str) -> sql.Composed:
+    # The one statement that is not a function call: COPY can only target a table.
+    return sql.SQL(
+        "COPY {}.spark_stage (write_id, task_tag, seq, channel, content, dequeue_at, dedup_key)"
+        " FROM STDIN (FORMAT BINARY)"
+    ).format(sql.Identifier(schema))
+
+
+def _json_default(value: object) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    return str(value)
+
+
+def _columns(opts: WriteOptions, batch: pa.RecordBatch) -> tuple[list[Any], ...]:
+    """The batch as staging columns: channel, content, dequeue_at, dedup_key."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = batch.num_rows
+    if opts.channel_column is not None:
+        channels = batch.column(opts.channel_column).to_pylist()
+    else:
+        channels = [opts.channel] * n
+    if opts.content_format is ContentFormat.JSON:
+        contents = [
+            json.dumps(row, default=_json_default, separators=(",", ":")).encode()
+            for row in batch.select(list(opts.json_columns)).to_pylist()
+        ]
+    else:
+        assert opts.content_column is not None
+        column = batch.column(opts.content_column)
+        if column.null_count:
+            raise InvalidArgumentError(
+                f"column {opts.content_column!r} (the message content) has {column.null_count}"
+                f" null value(s): every message needs a content"
+            )
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            column = pc.cast(column, pa.binary())
+        contents = column.to_pylist()
+    if opts.dequeue_at_column is not None:
+        column = batch.column(opts.dequeue_at_column)
+        if pa.types.is_timestamp(column.type):
+            column = pc.cast(pc.cast(column, pa.timestamp("ms", tz="UTC")), pa.int64())
+        dequeue_ats = column.to_pylist()
+    else:
+        dequeue_ats = [None] * n
+    if opts.dedup_key_column is not None:
+        dedup_keys = batch.column(opts.dedup_key_column).to_pylist()
+    else:
+        dedup_keys = [None] * n
+    return channels, contents, dequeue_ats, dedup_keys
+
+
+def stage(
+    opts: WriteOptions, write_id: str, task_tag: str, batches: Iterable[pa.RecordBatch]
+) -> int:
+    """Stage a task's rows under (write_id, task_tag) in one transaction; returns the count."""
+    schema = opts.conn.schema
+    db = _db.executor_connection(opts.conn)
+    seq = 0
+    with _db.translated(schema), db.transaction():
+        with db.cursor() as cursor, cursor.copy(_copy_statement(schema)) as copy:
+            copy.set_types(_COPY_TYPES)
+            for batch in batches:
+                channels, contents, dequeue_ats, dedup_keys = _columns(opts, batch)
+                for channel, content, dequeue_at, dedup_key in zip(
+                    channels, contents, dequeue_ats, dedup_keys, strict=True
+                ):
+                    copy.write_row(
+                        (write_id, task_tag, seq, channel, content, dequeue_at, dedup_key)
+                    )
+                    seq += 1
+        _db.run(
+            db,
+            schema,
+            "spark_stage_record",
+            {"write_id": write_id, "task_tag": task_tag, "n_rows": seq},
+        )
+    return seq
+
+
+def create_direct(opts: WriteOptions, batches: Iterable[pa.RecordBatch]) -> WriteResult:
+    """mode=direct: enqueue a task's rows straight away, in chunks of one transaction each."""
+    schema = opts.conn.schema
+    db = _db.executor_connection(opts.conn)
+    statement = _core.Statements(schema)["message_create_many"]
+    counts = {"created": 0, "deduplicated": 0, "dropped": 0}
+    full: set[str] = set()
+    for batch in batches:
+        channels, contents, dequeue_ats, dedup_keys = _columns(opts, batch)
+        for start in range(0, len(contents), DIRECT_CHUNK):
+            part = slice(start, start + DIRECT_CHUNK)
+            params = {
+                "channels": channels[part],
+                "contents": contents[part],
+                "dequeue_ats": dequeue_ats[part],
+                "dedup_keys": dedup_keys[part],
+            }
+            with _db.translated(schema), db.transaction():
+                rows = db.execute(statement, params).fetchall()
+            for (status, _, _), channel in zip(rows, channels[part], strict=True):
+                counts[status] += 1
+                if status == "dropped":
+                    full.add(channel or _core.DEFAULT_CHANNEL)
+    return WriteResult(
+        created=counts["created"],
+        deduplicated=counts["deduplicated"],
+        dropped=counts["dropped"],
+        dropped_channels=tuple(sorted(full)[:20]),
+    )
+
+
+def drain(batches: Iterator[Any]) -> None:
+    """Consume a task's input without staging it (a replayed, already committed batch)."""
+    for _ in batches:
+        pass
+
+
+def is_committed(opts: WriteOptions, sink_id: str, batch_id: int) -> bool:
+    """Whether (sink_id, batch_id) was committed already."""
+    db = _db.executor_connection(opts.conn)
+    with _db.translated(opts.conn.schema), db.transaction():
+        rows = _db.run(
+            db,
+            opts.conn.schema,
+            "spark_write_result",
+            {"sink_id": sink_id, "batch_id": batch_id},
+        )
+    return bool(rows)
+
+
+def commit(
+    opts: WriteOptions,
+    *,
+    sink_id: str,
+    batch_id: int,
+    write_id: str,
+    task_tags: Sequence[str],
+    expected_rows: int,
+    streaming: bool,
+) -> WriteResult:
+    """Enqueue what the winning tasks staged, once per (sink_id, batch_id), in one
+    transaction; raise (enqueuing nothing) when rows went missing or, with onFull=fail,
+    when a channel refused some."""
+    schema = opts.conn.schema
+    with _db.connect(opts.conn, autocommit=False) as db, _db.translated(schema):
+        rows = _db.run(
+            db,
+            schema,
+            "spark_write_commit",
+            {
+                "sink_id": sink_id,
+                "batch_id": batch_id,
+                "write_id": write_id,
+                "task_tags": list(task_tags),
+            },
+        )
+        is_new, staged, created, deduplicated, dropped, dropped_channels = rows[0]
+        if is_new and staged != expected_rows:
+            db.rollback()
+            raise SparkWriteError(
+                f"the write's tasks staged {expected_rows} rows but {staged} were found at "
+                f"commit (PostgreSQL restarted and emptied the UNLOGGED staging table?); "
+                f"nothing was enqueued: run the job again"
+            )
+        if is_new and dropped and opts.on_full is OnFull.FAIL:
+            db.rollback()
+            raise SparkWriteError(
+                f"{dropped} message(s) were refused by channels at their max_size "
+                f"({', '.join(dropped_channels)}); nothing was enqueued. Set option "
+                f"onFull=count to enqueue the rest and only count the refused ones"
+            )
+        if streaming:
+            _db.run(
+                db,
+                schema,
+                "spark_sink_prune",
+                {"sink_id": sink_id, "batch_id": batch_id, "keep": SINK_KEEP_BATCHES},
+            )
+        db.commit()
+    result = WriteResult(
+        created=created,
+        deduplicated=deduplicated,
+        dropped=dropped,
+        dropped_channels=tuple(dropped_channels),
+        replayed=not is_new,
+    )
+    log.info("lonnymq write %s/%s committed: %s", sink_id, batch_id, result)
+    return result
+
+
+def check_direct(opts: WriteOptions, results: Sequence[WriteResult]) -> WriteResult:
+    """The total of a direct write's tasks; with onFull=fail, raise when rows were refused
+    (the rest stays enqueued: a direct write is not all or nothing)."""
+    total = WriteResult(
+        created=sum(r.created for r in results),
+        deduplicated=sum(r.deduplicated for r in results),
+        dropped=sum(r.dropped for r in results),
+        dropped_channels=tuple(sorted({c for r in results for c in r.dropped_channels})[:20]),
+    )
+    if total.dropped and opts.on_full is OnFull.FAIL:
+        raise SparkWriteError(
+            f"{total.dropped} message(s) were refused by channels at their max_size "
+            f"({', '.join(total.dropped_channels)}); with mode=direct the other "
+            f"{total.created + total.deduplicated} were enqueued (or already there)"
+        )
+    log.info("lonnymq direct write done: %s", total)
+    return total
+
+
+def clear(opts: WriteOptions, write_ids: Iterable[str]) -> None:
+    """Forget what was staged under these write ids (an aborted write)."""
+    schema = opts.conn.schema
+    with _db.connect(opts.conn) as db:
+        for write_id in sorted(set(write_ids)):
+            _db.run(db, schema, "spark_stage_clear", {"write_id": write_id})
+
+
+def result_of(opts_conn: Connection, sink_id: str, batch_id: int) -> WriteResult | None:
+    """The recorded result of a committed write, or None."""
+    with _db.connect(opts_conn) as db:
+        rows = _db.run(
+            db, opts_conn.schema, "spark_write_result", {"sink_id": sink_id, "batch_id": batch_id}
+        )
+    if not rows:
+        return None
+    created, deduplicated, dropped, _ = rows[0]
+    return WriteResult(created=created, deduplicated=deduplicated, dropped=dropped)

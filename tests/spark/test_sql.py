@@ -1,0 +1,149 @@
+"""The SQL that the Spark data source relies on, called directly (no Spark session)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from lonnymq import Queue
+from lonnymq.spark import _db, purge_staging
+
+Conn = psycopg.Connection[Any]
+
+
+def _call(admin: Conn, schema: str, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return admin.execute(_db.statement(schema, name), params).fetchall()
+
+
+def test_every_spark_statement_calls_its_own_function(queue: Queue, admin: Conn) -> None:
+    functions = {
+        name: set(args or [])
+        for name, args in admin.execute(
+            "SELECT p.proname, p.proargnames FROM pg_proc p"
+            " JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+            [queue.schema],
+        ).fetchall()
+    }
+    statements = _db.statement_texts()
+    assert len(statements) >= 10
+    for name, text in statements.items():
+        called = re.findall(r"\{schema\}\.(\w+)\(", text)
+        assert called == [name], f"statement {name} calls {called}"
+        assert name in functions, f"statement {name}: no function {name}"
+        for arg in re.findall(r"\b(p_\w+)\s*=>", text):
+            assert arg in functions[name], f"statement {name} passes {arg}, not a parameter"
+
+
+def test_heartbeat_many_extends_held_locks_and_reports_the_others(
+    queue: Queue, admin: Conn
+) -> None:
+    for i in range(3):
+        queue.create(f"m{i}".encode(), channel=f"c{i}")
+    held = queue.dequeue_many(3, lock_ms=1_000)
+    ident = sql.Identifier(queue.schema)
+    ids = [m.id for m in held] + [10**9]
+    attempts = [m.num_attempts for m in held] + [1]
+    attempts[1] += 1  # a stale attempt: someone else's lock
+    rows = admin.execute(
+        sql.SQL("SELECT id, status FROM {}.message_heartbeat_many(%s, %s, 600000)").format(ident),
+        [ids, attempts],
+    ).fetchall()
+    assert rows == [
+        (held[0].id, "ok"),
+        (held[1].id, "stale"),
+        (held[2].id, "ok"),
+        (10**9, "not_found"),
+    ]
+    # The extended locks outlive their first lock_ms; the stale one expires and comes back.
+    queue.set_clock_offset(5_000)
+    again = queue.dequeue_many(3, lock_ms=1_000)
+    assert [m.id for m in again] == [held[1].id]
+
+
+def test_write_commit_promotes_only_the_winning_tags_once(queue: Queue, admin: Conn) -> None:
+    schema = queue.schema
+    ident = sql.Identifier(schema)
+    with (
+        admin.cursor() as cursor,
+        cursor.copy(
+            sql.SQL(
+                "COPY {}.spark_stage (write_id, task_tag, seq, channel, content, dequeue_at, "
+                "dedup_key) FROM STDIN"
+            ).format(ident)
+        ) as copy,
+    ):
+        for tag, n in (("won", 3), ("lost", 2)):
+            for seq in range(n):
+                copy.write_row(("w", tag, seq, "c", f"{tag}{seq}".encode(), None, None))
+    for tag, n in (("won", 3), ("lost", 2)):
+        _call(admin, schema, "spark_stage_record", {"write_id": "w", "task_tag": tag, "n_rows": n})
+    params = {"sink_id": "s", "batch_id": 7, "write_id": "w", "task_tags": ["won"]}
+    first = _call(admin, schema, "spark_write_commit", params)
+    assert first == [(True, 3, 3, 0, 0, [])]
+    again = _call(admin, schema, "spark_write_commit", params)
+    assert again == [(False, 0, 0, 0, 0, [])]
+    assert [m.content for m in queue.dequeue_many(10, lock_ms=1_000)] == [b"won0", b"won1", b"won2"]
+    recorded = _call(admin, schema, "spark_write_result", {"sink_id": "s", "batch_id": 7})
+    assert [r[:3] for r in recorded] == [(3, 0, 0)]
+    left = admin.execute(sql.SQL("SELECT count(*) FROM {}.spark_stage").format(ident)).fetchone()
+    assert left == (0,)
+
+
+def test_purge_removes_abandoned_staging_only(dsn: str, queue: Queue, admin: Conn) -> None:
+    schema = queue.schema
+    ident = sql.Identifier(schema)
+    admin.execute(
+        sql.SQL(
+            "INSERT INTO {}.spark_stage (write_id, task_tag, seq, content) VALUES"
+            " ('old', 't', 0, 'x'), ('old', 't', 1, 'y')"
+        ).format(ident)
+    )
+    _call(admin, schema, "spark_stage_record", {"write_id": "old", "task_tag": "t", "n_rows": 2})
+    assert purge_staging(older_than_ms=60_000, dsn=dsn, schema=schema) == 0  # still young
+    queue.set_clock_offset(3_600_000)
+    assert purge_staging(older_than_ms=60_000, dsn=dsn, schema=schema) == 2
+    left = admin.execute(sql.SQL("SELECT count(*) FROM {}.spark_stage_task").format(ident))
+    assert left.fetchone() == (0,)
+
+
+def test_plan_acks_releases_and_records(queue: Queue, admin: Conn) -> None:
+    schema = queue.schema
+    for i in range(5):
+        queue.create(f"m{i}".encode(), channel="c")
+
+    def plan(start: int, limit: int) -> tuple[Any, ...]:
+        params = {
+            "consumer": "k",
+            "start": start,
+            "limit": limit,
+            "lock_ms": 60_000,
+            "max_id": None,
+        }
+        return _call(admin, schema, "spark_batch_plan", params)[0]
+
+    assert plan(0, 2) == (1, 2, 0, 0)  # batch 1: two messages
+    assert plan(1, 2) == (2, 2, 2, 0)  # batch 1 acked (Spark committed it), batch 2 planned
+    # A restart at offset 1 finds batch 2 unrecorded by Spark: given back, then planned again.
+    assert plan(1, 10) == (2, 3, 0, 2)
+    assert len(queue.stats()) == 1
+    read = _call(
+        admin,
+        schema,
+        "spark_batch_read",
+        {"consumer": "k", "after": 1, "upto": 2, "slice": 0, "slices": 1},
+    )
+    assert [bytes(r[2]) for r in read] == [b"m2", b"m3", b"m4"]
+    assert _call(admin, schema, "spark_batch_ack", {"consumer": "k", "batch_no": 2}) == [(3,)]
+    assert queue.stats() == []
+
+
+def test_public_names_exist_and_are_documented() -> None:
+    import lonnymq.spark
+
+    assert lonnymq.spark.__all__
+    for name in lonnymq.spark.__all__:
+        value = getattr(lonnymq.spark, name)
+        assert value.__doc__, f"lonnymq.spark.{name} has no docstring"
