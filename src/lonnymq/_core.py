@@ -240,9 +240,9 @@ def check_event_channel(value: object) -> str | None:
 
 
 @cache
-def statement_texts() -> dict[str, str]:
-    """The named statements of ``sql/statements.sql``."""
-    text = resources.files("lonnymq").joinpath("sql/statements.sql").read_text("utf-8")
+def statement_texts(package: str = "lonnymq", path: str = "sql/statements.sql") -> dict[str, str]:
+    """The named statements (``-- name: x`` sections) of a packaged SQL file."""
+    text = resources.files(package).joinpath(path).read_text("utf-8")
     statements: dict[str, str] = {}
     name: str | None = None
     lines: list[str] = []

@@ -8,41 +8,26 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
-from importlib import resources
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from .. import migrate
+from .. import _core, migrate
 from ..errors import SchemaNotInstalledError, SchemaVersionError, translate
 from ._options import Connection
 
 __all__ = ["SPARK_SCHEMA_VERSION", "check_installed", "connect", "executor_connection", "run"]
 
 # The migration that adds what the data source calls.
-SPARK_SCHEMA_VERSION = 2
+SPARK_SCHEMA_VERSION = 4
 
 Conn = psycopg.Connection[Any]
 
 
-@cache
 def statement_texts() -> dict[str, str]:
     """The named statements of ``spark/statements.sql``."""
-    text = resources.files("lonnymq.spark").joinpath("statements.sql").read_text("utf-8")
-    statements: dict[str, str] = {}
-    name: str | None = None
-    lines: list[str] = []
-    for line in text.splitlines():
-        if line.startswith("-- name: "):
-            if name is not None:
-                statements[name] = "\n".join(lines).strip()
-            name, lines = line.removeprefix("-- name: ").strip(), []
-        elif name is not None and not line.startswith("--"):
-            lines.append(line)
-    if name is not None:
-        statements[name] = "\n".join(lines).strip()
-    return statements
+    return _core.statement_texts("lonnymq.spark", "statements.sql")
 
 
 @cache
