@@ -433,12 +433,9 @@ BEGIN
             -- policy are left to the one-by-one steps below, which come to them next.
             IF NOT v_spread AND p_limit - v_taken >= 2 THEN
                 v_spread := TRUE;
-                SELECT array_agg(l.name ORDER BY l.ord) FILTER (
-                    WHERE NOT l.has_policy
-                      AND pg_try_advisory_xact_lock_shared(channel_key(l.name)))
-                INTO v_free
-                FROM (
-                    SELECT s.name, s.has_policy, row_number() OVER () AS ord
+                -- (The subquery's order is kept: nothing after it reorders rows.)
+                v_free := ARRAY(
+                    SELECT s.name
                     FROM (
                         SELECT c.name, c.has_policy FROM channel c
                         WHERE c.next_dequeue_at IS NOT NULL
@@ -447,7 +444,9 @@ BEGIN
                           AND c.next_dequeue_at <= v_now
                         ORDER BY c.next_dequeue_at, c.turn
                         LIMIT p_limit - v_taken
-                        FOR UPDATE SKIP LOCKED) s) l;
+                        FOR UPDATE SKIP LOCKED) s
+                    WHERE NOT s.has_policy
+                      AND pg_try_advisory_xact_lock_shared(channel_key(s.name)));
                 IF cardinality(v_free) > 0 THEN
                     v_quota := ceil((p_limit - v_taken)::NUMERIC / cardinality(v_free));
                     RETURN QUERY
