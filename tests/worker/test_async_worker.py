@@ -115,3 +115,27 @@ def test_async_worker_refuses_bad_options(dsn: str) -> None:
         AsyncWorker(queue, lambda m: None, concurrency=0)
     with pytest.raises(InvalidArgumentError, match="callable"):
         AsyncWorker(queue, 5)  # type: ignore[arg-type]
+
+
+def test_async_worker_finishes_and_takes_the_next_message_in_one_call(
+    dsn: str, make_queue: Callable[..., Queue]
+) -> None:
+    sync = make_queue()
+    sync.create_many([NewMessage(f"m{i}".encode(), channel=f"c{i % 3}") for i in range(30)])
+
+    async def main() -> tuple[WorkerStats, dict[str, int]]:
+        async def handler(message: AsyncMessage) -> None:
+            await asyncio.sleep(0)
+
+        async with AsyncQueue(dsn, schema=sync.schema) as queue:
+            stats = await AsyncWorker(queue, handler, concurrency=1).run(
+                handle_signals=False, until_idle=True
+            )
+            return stats, {op.name: op.calls for op in queue.operation_stats()}
+
+    stats, calls = asyncio.run(main())
+    assert stats.completed == 30
+    assert calls.get("message_complete_and_dequeue") == 30
+    assert "message_delete" not in calls
+    assert calls.get("message_dequeue_many", 0) <= 3
+    assert all(s.size == 0 for s in sync.stats())

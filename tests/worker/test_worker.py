@@ -246,3 +246,23 @@ def test_sigkill_loses_nothing(
     attempts = sorted(m.num_attempts for m in back)
     assert len(back) == 4
     assert attempts == [1, 1, 2, 2]  # the two that were running count a new attempt
+
+
+def test_worker_finishes_and_takes_the_next_message_in_one_call(
+    make_queue: Callable[..., Queue],
+) -> None:
+    queue = make_queue(archive=True)
+    queue.create_many([NewMessage(f"m{i}".encode(), channel=f"c{i % 3}") for i in range(40)])
+    handled: list[int] = []
+    worker = Worker(queue, lambda m: handled.append(m.id), concurrency=1)
+    stats = worker.run(handle_signals=False, until_idle=True)
+    calls = {op.name: op.calls for op in queue.operation_stats()}
+    assert stats.completed == 40
+    assert len(set(handled)) == len(handled) == 40
+    # Every completion went through the combined call, and all but the first message came
+    # from it: the loop's own dequeues only started the chain and saw the queue empty.
+    assert calls.get("message_complete_and_dequeue") == 40
+    assert "message_delete" not in calls
+    assert calls.get("message_dequeue_many", 0) <= 3
+    with psycopg.connect(queue.dsn) as admin:
+        assert [row[2] for row in _archive(admin, queue.schema)] == ["completed"] * 40

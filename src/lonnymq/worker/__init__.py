@@ -38,6 +38,7 @@ from ..errors import (
 )
 from ..metrics import WorkerMetrics
 from ..queue import Message, Queue
+from ..types import AckStatus
 from . import _policy
 from ._async import AsyncWorker
 from ._policy import Action, Backoff, Decision, WorkerOptions, WorkerStats, error_text
@@ -215,6 +216,37 @@ class Worker:
     # -- one message -----------------------------------------------------------------------
 
     def _execute(self, task: _Task) -> None:
+        """Run the task's message; when finishing it hands this thread the next message
+        (one transaction: see :meth:`_apply`), run that one too, and so on."""
+        while True:
+            following: Message | None = None
+            chained = False
+            try:
+                following = self._run(task)
+            finally:
+                with self._lock:
+                    self._running.pop(task.message.id, None)
+                    # Checked under the lock that _shutdown takes to list what still runs:
+                    # a message taken after the stop is given back, never left unlisted.
+                    chained = following is not None and not self._stopping.is_set()
+                    done = task
+                    if following is not None and chained:
+                        task = _Task(following)
+                        self._running[following.id] = task
+                    self.metrics.running = len(self._running)
+                done.done.set()
+                if not chained:
+                    self._wake.set()
+            if following is None:
+                return
+            if not chained:
+                self._give_back(following, "taken while stopping")
+                return
+            self.metrics.count("dequeued", following.channel)
+
+    def _run(self, task: _Task) -> Message | None:
+        """Run one message's handler and report its outcome; returns the next message when
+        the report also took one."""
         message = task.message
         try:
             decision = _policy.before_run(message, self.options)
@@ -238,7 +270,7 @@ class Worker:
                         "given back" if task.abandoned else "lost",
                         extra=_fields(message),
                     )
-                    return
+                    return None
                 decision = _policy.after_run(
                     message, error, self.options, self._db_now(), self._rng
                 )
@@ -250,7 +282,7 @@ class Worker:
                         error,
                         extra=_fields(message),
                     )
-            self._apply_with_retries(message, decision)
+            return self._apply_with_retries(message, decision)
         except StaleMessageError:
             # The handler may have deferred or finished the message itself.
             log.info(
@@ -266,41 +298,50 @@ class Worker:
                 err,
                 extra=_fields(message),
             )
-        finally:
-            with self._lock:
-                self._running.pop(message.id, None)
-                self.metrics.running = len(self._running)
-            task.done.set()
-            self._wake.set()
+        return None
 
-    def _apply_with_retries(self, message: Message, decision: Decision) -> None:
+    def _apply_with_retries(self, message: Message, decision: Decision) -> Message | None:
         """Report the outcome, riding out a lost connection (the pool reconnects) or a deadlock."""
         for attempt in range(1, REPORT_TRIES + 1):
             try:
-                self._apply(message, decision)
-                return
+                return self._apply(message, decision)
             except DatabaseError as err:
                 if attempt == REPORT_TRIES:
                     raise
                 delay = _policy.reconnect_delay(attempt)
                 log.warning("report failed (%s); trying again in %.1fs", err, delay)
                 time.sleep(delay)
+        return None
 
-    def _apply(self, message: Message, decision: Decision) -> None:
-        """The one place that finishes, retries or fires a message."""
+    def _apply(self, message: Message, decision: Decision) -> Message | None:
+        """The one place that finishes, retries or fires a message. Completing a message also
+        takes the next one in the same transaction (one commit per message in the steady
+        state), unless the worker is stopping; that message is returned."""
         action = decision.action
+        following: Message | None = None
         if action is Action.FIRE:
             try:
                 firing = self.queue.fire_schedule(message)
             except InvalidArgumentError as err:  # not a driver: it would come back forever
                 message.fail(error=f"not a schedule driver: {err}")
                 self._count("failed", message.channel)
-                return
+                return None
             if firing.fire_at is not None:
                 self._count("fired", message.channel)
-            return
-        if action is Action.COMPLETE:
+            return None
+        if action is Action.COMPLETE and self._stopping.is_set():
             message.delete()
+        elif action is Action.COMPLETE:
+            batch = self.queue.complete_and_dequeue([message], 1, lock_ms=self.options.lock_ms)
+            following = batch.messages[0] if batch.messages else None
+            if batch.completed[0] is not AckStatus.OK:
+                # The handler may have deferred or finished the message itself.
+                log.info(
+                    "message %s was no longer held when its handler returned",
+                    message.id,
+                    extra=_fields(message),
+                )
+                return following
         elif action is Action.RETRY:
             message.defer(dequeue_at=decision.dequeue_at)
         elif action is Action.DEAD_LETTER:
@@ -319,6 +360,7 @@ class Worker:
                 (decision.error or "").splitlines()[-1:],
                 extra=_fields(message),
             )
+        return following
 
     def _count(self, outcome: str, channel: str) -> None:
         self.metrics.count(outcome, channel)
@@ -347,7 +389,12 @@ class Worker:
                     continue
                 try:
                     task.message.heartbeat(lock_ms=self.options.lock_ms)
-                except StaleMessageError:
+                except LonnyMQError as err:
+                    if task.done.is_set():
+                        continue  # finished during the call: nothing to renew
+                    if not isinstance(err, StaleMessageError):
+                        log.warning("message %s: heartbeat failed (%s)", task.message.id, err)
+                        continue
                     with self._lock:
                         task.lost = True
                     self._count("lost", task.message.channel)
@@ -356,8 +403,6 @@ class Worker:
                         task.message.id,
                         extra=_fields(task.message),
                     )
-                except LonnyMQError as err:
-                    log.warning("message %s: heartbeat failed (%s)", task.message.id, err)
 
     def _event_channel(self) -> str | None:
         try:
@@ -397,20 +442,18 @@ class Worker:
             for task in tasks:
                 task.abandoned = True
         for task in tasks:
-            try:
-                task.message.defer()
-                self._count("given_back", task.message.channel)
-                log.warning(
-                    "message %s given back: its handler outlived the grace period",
-                    task.message.id,
-                    extra=_fields(task.message),
-                )
-            except LonnyMQError as err:
-                log.error(
-                    "message %s could not be given back (%s); its lock will expire",
-                    task.message.id,
-                    err,
-                )
+            self._give_back(task.message, "its handler outlived the grace period")
+
+    def _give_back(self, message: Message, why: str) -> None:
+        """Unlock a message this worker will not run (no attempt is lost: defer keeps it)."""
+        try:
+            message.defer()
+            self._count("given_back", message.channel)
+            log.warning("message %s given back: %s", message.id, why, extra=_fields(message))
+        except LonnyMQError as err:
+            log.error(
+                "message %s could not be given back (%s); its lock will expire", message.id, err
+            )
 
 
 async def _awaited(result: Any) -> None:

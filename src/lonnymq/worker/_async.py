@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..metrics import WorkerMetrics
 from ..queue_async import AsyncMessage, AsyncQueue
+from ..types import AckStatus
 from . import _policy
 from ._policy import Action, Backoff, Decision, WorkerOptions, WorkerStats
 
@@ -188,6 +189,33 @@ class AsyncWorker:
             await result
 
     async def _execute(self, run: _Run) -> None:
+        """Run the message; when finishing it hands this task the next message (one
+        transaction: see :meth:`_apply`), run that one too, and so on."""
+        while True:
+            following: AsyncMessage | None = None
+            try:
+                following = await self._run(run)
+            finally:
+                self._running.pop(run.message.id, None)
+                # No await between this check and the registration: _shutdown, which lists
+                # what still runs after the stop, sees every message taken before it.
+                chained = following is not None and not self._stopping.is_set()
+                if following is not None and chained:
+                    run = _Run(following, task=run.task)
+                    self._running[following.id] = run
+                self.metrics.running = len(self._running)
+                if not chained:
+                    self._wake.set()
+            if following is None:
+                return
+            if not chained:
+                await self._give_back(following, "taken while stopping")
+                return
+            self.metrics.count("dequeued", following.channel)
+
+    async def _run(self, run: _Run) -> AsyncMessage | None:
+        """Run one message's handler and report its outcome; returns the next message when
+        the report also took one."""
         message = run.message
         try:
             decision = _policy.before_run(message, self.options)
@@ -207,7 +235,7 @@ class AsyncWorker:
                         "given back" if run.abandoned else "lost",
                         extra=_fields(message),
                     )
-                    return
+                    return None
                 decision = _policy.after_run(
                     message, error, self.options, self._db_now(), self._rng
                 )
@@ -219,7 +247,7 @@ class AsyncWorker:
                         error,
                         extra=_fields(message),
                     )
-            await self._apply_with_retries(message, decision)
+            return await self._apply_with_retries(message, decision)
         except StaleMessageError:
             log.info(
                 "message %s was no longer held when its handler returned",
@@ -233,38 +261,53 @@ class AsyncWorker:
                 err,
                 extra=_fields(message),
             )
-        finally:
-            self._running.pop(message.id, None)
-            self.metrics.running = len(self._running)
-            self._wake.set()
+        return None
 
-    async def _apply_with_retries(self, message: AsyncMessage, decision: Decision) -> None:
+    async def _apply_with_retries(
+        self, message: AsyncMessage, decision: Decision
+    ) -> AsyncMessage | None:
         for attempt in range(1, 6):
             try:
-                await self._apply(message, decision)
-                return
+                return await self._apply(message, decision)
             except DatabaseError as err:
                 if attempt == 5:
                     raise
                 delay = _policy.reconnect_delay(attempt)
                 log.warning("report failed (%s); trying again in %.1fs", err, delay)
                 await asyncio.sleep(delay)
+        return None
 
-    async def _apply(self, message: AsyncMessage, decision: Decision) -> None:
-        """The one place that finishes, retries or fires a message."""
+    async def _apply(self, message: AsyncMessage, decision: Decision) -> AsyncMessage | None:
+        """The one place that finishes, retries or fires a message. Completing a message also
+        takes the next one in the same transaction, unless the worker is stopping; that
+        message is returned."""
         action = decision.action
+        following: AsyncMessage | None = None
         if action is Action.FIRE:
             try:
                 firing = await self.queue.fire_schedule(message)
             except InvalidArgumentError as err:  # not a driver: it would come back forever
                 await message.fail(error=f"not a schedule driver: {err}")
                 self._count("failed", message.channel)
-                return
+                return None
             if firing.fire_at is not None:
                 self._count("fired", message.channel)
-            return
-        if action is Action.COMPLETE:
+            return None
+        if action is Action.COMPLETE and self._stopping.is_set():
             await message.delete()
+        elif action is Action.COMPLETE:
+            batch = await self.queue.complete_and_dequeue(
+                [message], 1, lock_ms=self.options.lock_ms
+            )
+            following = batch.messages[0] if batch.messages else None
+            if batch.completed[0] is not AckStatus.OK:
+                # The handler may have deferred or finished the message itself.
+                log.info(
+                    "message %s was no longer held when its handler returned",
+                    message.id,
+                    extra=_fields(message),
+                )
+                return following
         elif action is Action.RETRY:
             await message.defer(dequeue_at=decision.dequeue_at)
         elif action is Action.DEAD_LETTER:
@@ -282,6 +325,7 @@ class AsyncWorker:
                 message.num_attempts,
                 extra=_fields(message),
             )
+        return following
 
     def _count(self, outcome: str, channel: str) -> None:
         self.metrics.count(outcome, channel)
@@ -293,11 +337,16 @@ class AsyncWorker:
         while True:
             await asyncio.sleep(self.options.heartbeat_ms / 1000)
             for run in [r for r in self._running.values() if not (r.lost or r.abandoned)]:
-                if run.task is not None and run.task.done():
-                    continue
+                if self._running.get(run.message.id) is not run:
+                    continue  # finished while the others were renewed
                 try:
                     await run.message.heartbeat(lock_ms=self.options.lock_ms)
-                except StaleMessageError:
+                except LonnyMQError as err:
+                    if self._running.get(run.message.id) is not run:
+                        continue  # finished during the call: nothing to renew
+                    if not isinstance(err, StaleMessageError):
+                        log.warning("message %s: heartbeat failed (%s)", run.message.id, err)
+                        continue
                     run.lost = True
                     self._count("lost", run.message.channel)
                     log.warning(
@@ -305,8 +354,6 @@ class AsyncWorker:
                         run.message.id,
                         extra=_fields(run.message),
                     )
-                except LonnyMQError as err:
-                    log.warning("message %s: heartbeat failed (%s)", run.message.id, err)
 
     async def _event_channel(self) -> str | None:
         try:
@@ -341,14 +388,14 @@ class AsyncWorker:
             if run.task.done():
                 continue
             run.abandoned = True
-            try:
-                await run.message.defer()
-                self._count("given_back", run.message.channel)
-                log.warning(
-                    "message %s given back: its handler outlived the grace period",
-                    run.message.id,
-                    extra=_fields(run.message),
-                )
-            except LonnyMQError as err:
-                log.error("message %s could not be given back (%s)", run.message.id, err)
+            await self._give_back(run.message, "its handler outlived the grace period")
             run.task.cancel()
+
+    async def _give_back(self, message: AsyncMessage, why: str) -> None:
+        """Unlock a message this worker will not run (defer keeps its attempt count)."""
+        try:
+            await message.defer()
+            self._count("given_back", message.channel)
+            log.warning("message %s given back: %s", message.id, why, extra=_fields(message))
+        except LonnyMQError as err:
+            log.error("message %s could not be given back (%s)", message.id, err)
