@@ -1,4 +1,4 @@
-"""Migration 0002's fast paths, with real sessions interleaved on purpose.
+"""Migrations 0002 and 0005: the fast paths, with real sessions interleaved on purpose.
 
 A channel without a policy keeps no counters and its row is written only to say when it is
 next due: concurrent dequeues of one hot channel "ride along" instead of skipping it, a create
@@ -379,9 +379,15 @@ def test_create_in_a_long_transaction_is_served_promptly_after_commit(
         assert created.id is not None
         consumers = [_Background(consume) for _ in range(3)]
         try:
-            time.sleep(0.2)  # drained long before: the consumers now poll an empty channel
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with lock:
+                    if set(taken) == ids:
+                        break
+                time.sleep(0.01)
             with lock:
                 assert set(taken) == ids
+            time.sleep(0.05)  # drained: the consumers now poll an empty channel
             committed_at = time.monotonic()
             session_b.commit()
             while created.id not in taken and time.monotonic() < committed_at + 2:
@@ -752,3 +758,126 @@ def test_stats_lists_a_channel_with_only_messages_in_flight(queue: Queue, admin:
     again.delete()
     assert queue.stats() == []
     assert _channel_rows(admin, queue.schema) == []
+
+
+# -- 0005: batches for a few policy-free channels take advisory locks, not rows --------------
+
+
+def _rows(admin: Conn, schema: str) -> dict[str, int | None]:
+    query = sql.SQL("SELECT name, next_dequeue_at FROM {}.channel").format(sql.Identifier(schema))
+    return dict(admin.execute(query).fetchall())
+
+
+def _batch(channels: list[str], n: int, tag: str) -> list[NewMessage]:
+    return [NewMessage(f"{tag}{i}".encode(), channel=channels[i % len(channels)]) for i in range(n)]
+
+
+def test_open_batches_over_the_same_channels_do_not_wait_for_each_other(
+    dsn: str, queue: Queue, admin: Conn
+) -> None:
+    channels = [f"c{i}" for i in range(5)]
+    queue.create_many(_batch(channels, 10, "seed"))
+    with _session(dsn) as a, _session(dsn) as b:
+        first = queue.create_many(_batch(channels, 20, "a"), conn=a)
+        # B's batch finishes while A's transaction still holds its channels.
+        done = threading.Event()
+
+        def write_b() -> None:
+            queue.create_many(_batch(channels, 20, "b"), conn=b)
+            done.set()
+
+        writer = _Background(write_b)
+        assert done.wait(5), "a batch waited for another open batch over the same channels"
+        writer.join()
+        # A dequeue serves those channels meanwhile: nothing is skipped as locked.
+        taken = queue.dequeue_many(5, lock_ms=LOCK_MS)
+        assert sorted(m.channel for m in taken) == channels
+        b.commit()
+        a.commit()
+    assert [r.status for r in first] == [CreateStatus.CREATED] * 20
+    assert all(r.channel_size is None for r in first)
+    assert _stranded(admin, queue.schema) == []
+    ids = [m.id for m in taken]
+    for message in taken:
+        message.delete()
+    served = []
+    while (next_one := queue.dequeue(lock_ms=LOCK_MS)) is not None:
+        served.append(next_one)
+        next_one.delete()
+    assert len(served) == 10 + 40 - 5
+    assert not set(ids) & {m.id for m in served}
+
+
+def test_batch_makes_new_and_later_channels_due_at_its_earliest_message(
+    queue: Queue, admin: Conn
+) -> None:
+    now = queue.now()
+    queue.create(b"later", channel="later", dequeue_at=now + 600_000)
+    queue.create(b"soon", channel="soon")
+    before = _rows(admin, queue.schema)
+    results = queue.create_many(
+        [
+            NewMessage(b"x1", channel="later", dequeue_at=now + 300_000),
+            NewMessage(b"x2", channel="later", dequeue_at=now + 400_000),
+            NewMessage(b"y", channel="soon", dequeue_at=now + 900_000),
+            NewMessage(b"z", channel="fresh", dequeue_at=now + 200_000),
+        ]
+    )
+    assert [r.status for r in results] == [CreateStatus.CREATED] * 4
+    after = _rows(admin, queue.schema)
+    assert after["later"] == now + 300_000
+    assert after["soon"] == before["soon"]  # already due sooner: row left alone
+    assert after["fresh"] == now + 200_000
+    # Ids in input order, and the channel's head order is (dequeue_at, id).
+    assert [r.id for r in results] == sorted(r.id for r in results if r.id is not None)
+
+
+def test_batch_with_a_policy_channel_counts_and_refuses_as_before(queue: Queue) -> None:
+    queue.channel("capped").set_policy(max_size=3)
+    results = queue.create_many(
+        [NewMessage(f"m{i}".encode(), channel=("capped" if i % 2 else "free")) for i in range(8)]
+    )
+    capped = [r for i, r in enumerate(results) if i % 2]
+    assert [r.status for r in capped] == [CreateStatus.CREATED] * 3 + [CreateStatus.DROPPED]
+    assert [r.channel_size for r in capped[:3]] == [1, 2, 3]
+    assert all(r.status is CreateStatus.CREATED for i, r in enumerate(results) if i % 2 == 0)
+    stats = {s.channel: s.size for s in queue.stats()}
+    assert stats == {"capped": 3, "free": 4}
+
+
+def test_batch_with_dedup_keys_still_deduplicates(queue: Queue) -> None:
+    first = queue.create_many([NewMessage(b"a", channel="d", dedup_key="k")])
+    again = queue.create_many(
+        [NewMessage(b"b", channel="d", dedup_key="k"), NewMessage(b"c", channel="d")]
+    )
+    assert [r.status for r in again] == [CreateStatus.DEDUPLICATED, CreateStatus.CREATED]
+    assert again[0].id == first[0].id
+
+
+def test_batch_over_many_channels_takes_the_row_path_and_leaves_nothing_stranded(
+    queue: Queue, admin: Conn
+) -> None:
+    results = queue.create_many(_batch([f"w{i}" for i in range(300)], 600, "m"))
+    assert {r.status for r in results} == {CreateStatus.CREATED}
+    assert len(_rows(admin, queue.schema)) == 300
+    assert _stranded(admin, queue.schema) == []
+
+
+def test_policy_set_waits_for_an_open_batch_and_counts_it(dsn: str, queue: Queue) -> None:
+    with _session(dsn) as writer_conn:
+        queue.create_many(_batch(["p", "q"], 6, "m"), conn=writer_conn)
+        setter = _Background(lambda: queue.channel("p").set_policy(max_size=10))
+        time.sleep(0.1)
+        assert setter.is_alive(), "the policy was set while a batch still held the channel"
+        writer_conn.commit()
+        setter.join()
+    stats = queue.channel("p").stats()
+    assert stats is not None
+    assert stats.size == 3
+
+
+def test_batch_refusal_changes_nothing(queue: Queue, admin: Conn) -> None:
+    with pytest.raises(InvalidArgumentError):
+        queue.create_many([NewMessage(b"ok", channel="c"), NewMessage(b"bad", channel="")])
+    assert queue.stats() == []
+    assert _rows(admin, queue.schema) == {}
