@@ -40,7 +40,7 @@ from lonnymq.errors import MessageError, MessageNotFoundError, StaleMessageError
 
 LOCK_MS = 5_000
 CHANNELS = ["a", "b", "p"]
-DELAYS = [None, -100_000, 0, 12_000, 30_000]  # None: "now" as the queue sees it
+DELAYS = [None, None, -100_000, 0, 12_000, 30_000]  # None: "now" as the queue sees it
 KEYS = [None, None, "k1", "k2"]
 
 Conn = psycopg.Connection[Any]
@@ -422,9 +422,10 @@ def test_queue_follows_the_model(queue: Queue, admin: Conn) -> None:
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=40,
-            stateful_step_count=30,
+            max_examples=50,
+            stateful_step_count=50,
             deadline=None,
+            database=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
