@@ -17,7 +17,15 @@ from .errors import (
     InvalidPolicyError,
     PayloadTooLargeError,
 )
-from .types import AckStatus, ChannelStats, CreateResult, CreateStatus, NewMessage, Policy
+from .types import (
+    AckStatus,
+    ChannelStats,
+    CreateResult,
+    CreateStatus,
+    Discrepancy,
+    NewMessage,
+    Policy,
+)
 
 DEFAULT_CHANNEL = "default"
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -292,6 +300,11 @@ def channel_stats(row: Sequence[Any]) -> ChannelStats:
         next_dequeue_at=next_at,
         policy=Policy(max_concurrency, interval, max_size),
     )
+
+
+def discrepancy(row: Sequence[Any]) -> Discrepancy:
+    channel, kind, expected, actual, detail = row
+    return Discrepancy(channel=channel, kind=kind, expected=expected, actual=actual, detail=detail)
 
 
 def optional_bytes(value: bytes | memoryview | None) -> bytes | None:

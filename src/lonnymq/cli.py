@@ -7,8 +7,9 @@ DSN the embedded PostgreSQL is used.
 Output is a rich table when standard output is a terminal and plain text otherwise; ``--json``
 prints one JSON object per line for scripts. Long work shows a progress bar on a terminal.
 
-Exit codes: 0 success, 1 the operation failed (a lonnymq error), 2 bad usage, 3 the thing named
-does not exist (``schedule remove`` of an unknown schedule).
+Exit codes: 0 success, 1 the operation failed (a lonnymq error) or ``verify`` found
+discrepancies, 2 bad usage, 3 the thing named does not exist (``schedule remove`` of an unknown
+schedule).
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
 
     stats = commands.add_parser("stats", help="channels: size, in flight, next dequeue, policy")
     stats.add_argument("--json", action="store_true", help="print JSON lines")
+
+    verify = commands.add_parser(
+        "verify", help="check channel counters and heads against the messages (exit 1: problems)"
+    )
+    verify.add_argument("--json", action="store_true", help="print JSON lines")
 
     create = commands.add_parser(
         "create", help="create messages: one per argument, or one per line of standard input"
@@ -289,6 +295,25 @@ def _stats(q: Queue, args: argparse.Namespace) -> int:
             f"{_policy_text(asdict(row.policy))}"
         )
     return 0
+
+
+def _verify(q: Queue, args: argparse.Namespace) -> int:
+    found = q.verify()
+    if args.json:
+        for item in found:
+            print(json.dumps(asdict(item)))
+    elif found:
+
+        def text(value: int | None) -> str:
+            return "-" if value is None else str(value)
+
+        _table(
+            ["channel", "kind", "expected", "actual", "detail"],
+            [[d.channel, d.kind, text(d.expected), text(d.actual), d.detail] for d in found],
+        )
+    else:
+        print("consistent: no discrepancies")
+    return 1 if found else 0
 
 
 def _contents(args: argparse.Namespace) -> Iterator[bytes]:
@@ -606,6 +631,7 @@ def _archive(q: Queue, args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[Queue, argparse.Namespace], int]] = {
     "install": _install,
     "stats": _stats,
+    "verify": _verify,
     "create": _create,
     "policy": _policy,
     "worker": _worker,

@@ -35,6 +35,7 @@ from .types import (
     ChannelStats,
     CreateResult,
     DequeueBatch,
+    Discrepancy,
     NewMessage,
     Settings,
 )
@@ -582,6 +583,28 @@ class Queue:
         """Every channel that holds messages or has a policy, by name."""
         rows = self._fetch("channel_stats", {}, conn)
         return [_core.channel_stats(row) for row in rows]
+
+    def verify(self, *, conn: Connection[Any] | None = None) -> list[Discrepancy]:
+        """Check every channel's row against its messages; one :class:`Discrepancy` per
+        problem found, by channel (an empty list: consistent). Read-only. On a pooled
+        connection it runs in a REPEATABLE READ, READ ONLY transaction; on ``conn`` it reads
+        that connection's snapshot. It scans the message table: an operator's check."""
+        if conn is not None:
+            rows = self._fetch("queue_verify", {}, conn)
+            return [_core.discrepancy(row) for row in rows]
+        pool = self._get_pool()
+        with pool.connection() as pooled:
+            pooled.set_isolation_level(psycopg.IsolationLevel.REPEATABLE_READ)
+            pooled.set_read_only(True)
+            try:
+                with pooled.transaction():
+                    rows = self._fetch("queue_verify", {}, pooled)
+            except psycopg.Error as err:
+                raise translate(err, schema=self._schema) from err
+            finally:
+                pooled.set_isolation_level(None)
+                pooled.set_read_only(None)
+        return [_core.discrepancy(row) for row in rows]
 
     def set_clock_offset(self, offset_ms: int, *, conn: Connection[Any] | None = None) -> int:
         """Move the queue clock by ``offset_ms`` for everyone (tests only); returns the new now."""

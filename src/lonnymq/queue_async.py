@@ -34,6 +34,7 @@ from .types import (
     ChannelStats,
     CreateResult,
     DequeueBatch,
+    Discrepancy,
     NewMessage,
     Settings,
 )
@@ -591,6 +592,28 @@ class AsyncQueue:
         """Every channel that holds messages or has a policy, by name."""
         rows = await self._fetch("channel_stats", {}, conn)
         return [_core.channel_stats(row) for row in rows]
+
+    async def verify(self, *, conn: AsyncConnection[Any] | None = None) -> list[Discrepancy]:
+        """Check every channel's row against its messages; one :class:`Discrepancy` per
+        problem found, by channel (an empty list: consistent). Read-only. On a pooled
+        connection it runs in a REPEATABLE READ, READ ONLY transaction; on ``conn`` it reads
+        that connection's snapshot. It scans the message table: an operator's check."""
+        if conn is not None:
+            rows = await self._fetch("queue_verify", {}, conn)
+            return [_core.discrepancy(row) for row in rows]
+        pool = await self._get_pool()
+        async with pool.connection() as pooled:
+            await pooled.set_isolation_level(psycopg.IsolationLevel.REPEATABLE_READ)
+            await pooled.set_read_only(True)
+            try:
+                async with pooled.transaction():
+                    rows = await self._fetch("queue_verify", {}, pooled)
+            except psycopg.Error as err:
+                raise translate(err, schema=self._schema) from err
+            finally:
+                await pooled.set_isolation_level(None)
+                await pooled.set_read_only(None)
+        return [_core.discrepancy(row) for row in rows]
 
     async def set_clock_offset(
         self, offset_ms: int, *, conn: AsyncConnection[Any] | None = None

@@ -12,6 +12,7 @@ __all__ = [
     "CreateResult",
     "CreateStatus",
     "DequeueBatch",
+    "Discrepancy",
     "NewMessage",
     "Policy",
     "Settings",
@@ -103,6 +104,23 @@ class ChannelStats:
     in_flight: int
     next_dequeue_at: int | None
     policy: Policy
+
+
+@dataclass(frozen=True, slots=True)
+class Discrepancy:
+    """One inconsistency ``verify()`` found between a channel's row and its messages.
+
+    ``kind`` names the check (``size_mismatch``, ``in_flight_mismatch``, ``channel_missing``,
+    ``head_unscheduled``, ``head_late``, ``orphan_channel``, ``stray_policy``, ``bad_lock``);
+    ``expected`` and ``actual`` are the values it compared (``None`` where there is none);
+    ``detail`` says it in a sentence.
+    """
+
+    channel: str
+    kind: str
+    expected: int | None
+    actual: int | None
+    detail: str
 
 
 @dataclass(frozen=True, slots=True)

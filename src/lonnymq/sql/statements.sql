@@ -78,6 +78,10 @@ SELECT {schema}.channel_policy_clear(p_channel => %(channel)s::text)
 SELECT channel, size, in_flight, next_dequeue_at, max_concurrency, release_interval_ms, max_size
 FROM {schema}.channel_stats()
 
+-- name: queue_verify
+SELECT channel, kind, expected, actual, detail
+FROM {schema}.queue_verify()
+
 -- name: config_set
 SELECT {schema}.config_set(
     p_event_channel => %(event_channel)s::text,

@@ -1,0 +1,149 @@
+-- 0005_verify: a read-only consistency check of the channel rows against the message rows.
+--
+-- Since 0002 the two kinds of channel keep different state, so they are checked differently:
+--
+-- * A channel with a policy (has_policy) keeps exact counters under its row lock:
+--   current_size is the number of its messages, current_concurrency the number of its locked
+--   messages while max_concurrency is set (0 otherwise). Its next_dequeue_at must not be later
+--   than max(head's dequeue_at, last_dequeue_at + release_interval_ms), the time every
+--   operation on it computes (it may be earlier: a visit then finds nothing and recomputes).
+-- * A channel without one keeps no counters (both stay 0). Its row exists while it may hold
+--   waiting messages and says when it is next worth a visit. Its next_dequeue_at must not be
+--   later than its head's dequeue_at, with one bounded exception: a dequeue that cannot take
+--   the channel's exclusive advisory lock (someone is creating in it) pushes the time at most
+--   10 ms past its own clock, so a row up to 10 ms ahead of the clock is not reported.
+--   A row may outlive the channel's last waiting message (a dequeue that could not take the
+--   advisory lock, a schedule removed): it keeps a time, so the dequeue that visits it then
+--   deletes it. Only a row with no time (never visited, never deleted) counts as orphaned.
+--
+-- A waiting (unlocked) message whose channel has no row, a row with no time, or a time later
+-- than allowed is stranded: no dequeue would find it. That is what "lost" means here.
+
+-- queue_verify(): one row per discrepancy between the channel rows and the message rows:
+-- the channel, a kind, the expected and the actual value (NULL where there is none) and a
+-- sentence. Kinds:
+--   size_mismatch       current_size differs from the channel's message count (policy), or
+--                       is not 0 (no policy);
+--   in_flight_mismatch  current_concurrency differs from the channel's locked messages
+--                       (policy with max_concurrency), or is not 0 (otherwise);
+--   channel_missing     waiting messages but no channel row (expected: the head's dequeue_at);
+--   head_unscheduled    waiting messages but next_dequeue_at is NULL;
+--   head_late           next_dequeue_at later than allowed (expected: the latest allowed);
+--   orphan_channel      a policy-free row with no waiting message and no next_dequeue_at;
+--   stray_policy        a policy-free row with policy values set;
+--   bad_lock            a message whose lock is inconsistent (locked without unlock_at or the
+--                       other way round, locked with num_attempts < 1, negative attempts);
+--                       the detail names the message.
+-- It reads everything in one statement (STABLE: one snapshot); run it in a REPEATABLE READ,
+-- READ ONLY transaction to keep it apart from concurrent writers. It scans both tables: an
+-- operator's tool, not a hot path.
+-- Locks: none beyond reading. Raises: nothing of ours.
+CREATE FUNCTION queue_verify()
+RETURNS TABLE (channel TEXT, kind TEXT, expected BIGINT, actual BIGINT, detail TEXT)
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    WITH clock AS (
+        -- The clock as the check runs (after its snapshot), not as its transaction started:
+        -- every time a committed operation wrote is then at most this.
+        SELECT epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT
+            AS now_ms
+    ), counted AS (
+        SELECT m.channel, count(*) AS total, count(*) FILTER (WHERE m.is_locked) AS locked
+        FROM message m
+        GROUP BY m.channel
+    ), head AS (
+        SELECT DISTINCT ON (m.channel) m.channel, m.id, m.dequeue_at
+        FROM message m
+        WHERE NOT m.is_locked
+        ORDER BY m.channel, m.dequeue_at, m.id
+    ), state AS (
+        SELECT coalesce(c.name, n.channel) AS name,
+               c.name IS NOT NULL AS has_row,
+               coalesce(c.has_policy, FALSE) AS has_policy,
+               c.max_concurrency, c.release_interval_ms, c.max_size,
+               c.current_size, c.current_concurrency, c.next_dequeue_at, c.last_dequeue_at,
+               coalesce(n.total, 0) AS total, coalesce(n.locked, 0) AS locked,
+               h.id AS head_id, h.dequeue_at AS head_at,
+               CASE WHEN coalesce(c.has_policy, FALSE)
+                    THEN greatest(h.dequeue_at,
+                        c.last_dequeue_at + coalesce(c.release_interval_ms, 0))
+                    ELSE greatest(h.dequeue_at, (SELECT k.now_ms FROM clock k) + 10)
+               END AS latest_at
+        FROM channel c
+        FULL JOIN counted n ON n.channel = c.name
+        LEFT JOIN head h ON h.channel = coalesce(c.name, n.channel)
+    )
+    SELECT r.channel, r.kind, r.expected, r.actual, r.detail
+    FROM (
+        SELECT s.name AS channel, 'size_mismatch' AS kind,
+               CASE WHEN s.has_policy THEN s.total ELSE 0 END AS expected,
+               s.current_size AS actual,
+               CASE WHEN s.has_policy
+                    THEN format('current_size is %s but the channel holds %s messages',
+                        s.current_size, s.total)
+                    ELSE format('a channel without a policy keeps no size, but current_size is %s',
+                        s.current_size)
+               END AS detail
+        FROM state s
+        WHERE s.has_row
+          AND s.current_size <> CASE WHEN s.has_policy THEN s.total ELSE 0 END
+        UNION ALL
+        SELECT s.name, 'in_flight_mismatch',
+               CASE WHEN s.max_concurrency IS NOT NULL THEN s.locked ELSE 0 END,
+               s.current_concurrency,
+               CASE WHEN s.max_concurrency IS NOT NULL
+                    THEN format('current_concurrency is %s but %s messages are locked',
+                        s.current_concurrency, s.locked)
+                    ELSE format('a channel without max_concurrency keeps no in-flight count, '
+                        'but current_concurrency is %s', s.current_concurrency)
+               END
+        FROM state s
+        WHERE s.has_row
+          AND s.current_concurrency
+              <> CASE WHEN s.max_concurrency IS NOT NULL THEN s.locked ELSE 0 END
+        UNION ALL
+        SELECT s.name, 'channel_missing', s.head_at, NULL::BIGINT,
+               format('message %s waits (due at %s) but the channel has no row: '
+                   'no dequeue will find it', s.head_id, s.head_at)
+        FROM state s
+        WHERE NOT s.has_row AND s.head_id IS NOT NULL
+        UNION ALL
+        SELECT s.name, 'head_unscheduled', s.latest_at, NULL::BIGINT,
+               format('message %s waits (due at %s) but next_dequeue_at is NULL: '
+                   'no dequeue will find it', s.head_id, s.head_at)
+        FROM state s
+        WHERE s.has_row AND s.head_id IS NOT NULL AND s.next_dequeue_at IS NULL
+        UNION ALL
+        SELECT s.name, 'head_late', s.latest_at, s.next_dequeue_at,
+               format('message %s is due at %s but next_dequeue_at is %s, later than %s',
+                   s.head_id, s.head_at, s.next_dequeue_at, s.latest_at)
+        FROM state s
+        WHERE s.has_row AND s.head_id IS NOT NULL AND s.next_dequeue_at > s.latest_at
+        UNION ALL
+        SELECT s.name, 'orphan_channel', NULL::BIGINT, NULL::BIGINT,
+               format('a channel row without a policy, without a waiting message (%s locked) '
+                   'and without next_dequeue_at: no dequeue will ever remove it', s.locked)
+        FROM state s
+        WHERE s.has_row AND NOT s.has_policy AND s.head_id IS NULL
+          AND s.next_dequeue_at IS NULL
+        UNION ALL
+        SELECT s.name, 'stray_policy', NULL::BIGINT, NULL::BIGINT,
+               format('has_policy is false but max_concurrency=%s, release_interval_ms=%s, '
+                   'max_size=%s', s.max_concurrency, s.release_interval_ms, s.max_size)
+        FROM state s
+        WHERE s.has_row AND NOT s.has_policy
+          AND (s.max_concurrency IS NOT NULL OR s.release_interval_ms IS NOT NULL
+               OR s.max_size IS NOT NULL)
+        UNION ALL
+        SELECT m.channel, 'bad_lock',
+               CASE WHEN m.is_locked THEN 1 ELSE 0 END, m.num_attempts::BIGINT,
+               format('message %s: is_locked=%s, unlock_at=%s, num_attempts=%s',
+                   m.id, m.is_locked, coalesce(m.unlock_at::TEXT, 'NULL'), m.num_attempts)
+        FROM message m
+        WHERE m.is_locked <> (m.unlock_at IS NOT NULL)
+           OR (m.is_locked AND m.num_attempts < 1)
+           OR m.num_attempts < 0
+    ) r
+    ORDER BY r.channel, r.kind, r.detail
+$$;

@@ -1,0 +1,105 @@
+"""A create that commits while a dequeue rotates the same policy-free channel.
+
+The interleaving (session D dequeues the channel's last waiting message, session C creates):
+
+1. D locks the channel's row and its head, then (channel_rotate) reads the channel's next
+   waiting message: none, because C's message is not committed yet;
+2. C, holding the channel's shared advisory lock, sees the row due already, so it does not
+   write it, inserts its message and commits (releasing the advisory lock);
+3. D takes the channel's exclusive advisory lock (free now) and, having read "nothing
+   waiting", deletes the row.
+
+Unless D reads the channel again once it holds the exclusive lock, C's message is left with
+no channel row: no dequeue finds it (verify reports ``channel_missing``). The pause between
+steps 1 and 3 is injected by wrapping the schema's channel_key() (which D calls right before
+taking the lock) so that D's second call waits on a test-held advisory lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from lonnymq import Message, Queue
+
+LOCK_MS = 60_000
+BARRIER = -424_242
+
+# channel_key() as 0002 defines it, plus: in a session with lonnymq_test.pause on, the second
+# call of a transaction first waits for the barrier (the test holds it).
+PAUSING_CHANNEL_KEY = """
+CREATE OR REPLACE FUNCTION {s}.channel_key(p_channel TEXT) RETURNS BIGINT
+LANGUAGE plpgsql VOLATILE
+SET search_path = {s}
+AS $$
+DECLARE
+    v_calls INTEGER;
+BEGIN
+    IF current_setting('lonnymq_test.pause', TRUE) = 'on' THEN
+        v_calls := coalesce(nullif(current_setting('lonnymq_test.calls', TRUE), ''), '0')::INTEGER
+            + 1;
+        PERFORM set_config('lonnymq_test.calls', v_calls::TEXT, TRUE);
+        IF v_calls = 2 THEN
+            PERFORM pg_advisory_xact_lock({barrier});
+        END IF;
+    END IF;
+    RETURN hashtextextended(p_channel, hashtext(current_schema())::BIGINT);
+END;
+$$
+"""
+
+
+def _wait_for_a_waiter(admin: psycopg.Connection[Any]) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        row = admin.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        ).fetchone()
+        if row is not None and row[0] > 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the dequeue never reached the pause")
+
+
+def test_create_committing_during_rotate_is_not_stranded(
+    dsn: str, queue: Queue, admin: psycopg.Connection[Any]
+) -> None:
+    queue.create(b"first", channel="a")
+    admin.execute(
+        sql.SQL(PAUSING_CHANNEL_KEY).format(
+            s=sql.Identifier(queue.schema), barrier=sql.Literal(BARRIER)
+        )
+    )
+    admin.execute("SELECT pg_advisory_lock(%s)", (BARRIER,))
+    got: list[Message | None] = []
+    errors: list[BaseException] = []
+
+    def session_d() -> None:
+        try:
+            with psycopg.connect(dsn) as conn:
+                conn.execute("SET lonnymq_test.pause = 'on'")
+                got.append(queue.dequeue(lock_ms=LOCK_MS, conn=conn))
+                conn.commit()
+        except BaseException as err:  # reported by the main thread
+            errors.append(err)
+
+    thread = threading.Thread(target=session_d)
+    thread.start()
+    try:
+        _wait_for_a_waiter(admin)
+        # Session C: a ready message in the same channel, committed while D is paused.
+        queue.create(b"second", channel="a")
+    finally:
+        admin.execute("SELECT pg_advisory_unlock(%s)", (BARRIER,))
+        thread.join(timeout=30)
+    assert not errors, errors
+    assert [m.content if m else None for m in got] == [b"first"]
+
+    assert queue.verify() == []
+    second = queue.dequeue(lock_ms=LOCK_MS)
+    assert second is not None
+    assert second.content == b"second"
