@@ -49,7 +49,12 @@ BEGIN
         SELECT DISTINCT coalesce(t.channel, 'default')
         FROM unnest(p_channels, p_contents) AS t(channel, content)
         ORDER BY 1);
-    IF cardinality(v_names) > 128 THEN
+    -- A channel known to have a policy: the row path at once. (A caller may already hold
+    -- such a row, e.g. spark_write_commit; waiting for its advisory lock then could deadlock
+    -- with a policy change, which takes the advisory lock first and the row second.)
+    IF cardinality(v_names) > 128
+        OR EXISTS (SELECT FROM channel c WHERE c.name = ANY (v_names) AND c.has_policy)
+    THEN
         RETURN QUERY SELECT * FROM message_create_many_locked(
             p_channels, p_contents, p_dequeue_ats, p_dedup_keys);
         RETURN;
@@ -63,6 +68,7 @@ BEGIN
     -- to commit, they keep a dequeue from pushing a channel's time past these messages (see
     -- 0002), and a policy from being set on a channel until they are counted.
     PERFORM pg_advisory_xact_lock_shared(channel_key(n)) FROM unnest(v_names) AS n;
+    -- A policy set meanwhile (before these locks were granted).
     IF EXISTS (SELECT FROM channel c WHERE c.name = ANY (v_names) AND c.has_policy) THEN
         RETURN QUERY SELECT * FROM message_create_many_locked(
             p_channels, p_contents, p_dequeue_ats, p_dedup_keys);

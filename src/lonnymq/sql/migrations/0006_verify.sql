@@ -1,4 +1,4 @@
--- 0005_verify: a read-only consistency check of the channel rows against the message rows.
+-- 0006_verify: a read-only consistency check of the channel rows against the message rows.
 --
 -- Since 0002 the two kinds of channel keep different state, so they are checked differently:
 --

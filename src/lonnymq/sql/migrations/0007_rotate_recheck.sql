@@ -1,4 +1,4 @@
--- 0006_rotate_recheck: channel_rotate reads the channel's next waiting message again once it
+-- 0007_rotate_recheck: channel_rotate reads the channel's next waiting message again once it
 -- holds the channel's exclusive advisory lock.
 --
 -- 0002's channel_rotate read the next waiting message first and took the lock after. A create
