@@ -192,9 +192,21 @@ def _parser() -> argparse.ArgumentParser:
         help="where bench.json and the plots go (env LONNYMQ_BENCH_OUT)",
     )
 
-    demo = commands.add_parser("demo", help="run the demo pipeline")
-    demo.add_argument("--messages", type=int, default=2000, help="messages to create")
-    demo.add_argument("--workers", type=int, default=4, help="handlers running at once")
+    demo = commands.add_parser(
+        "demo",
+        help="run the demo pipeline: Spark ingests orders, a Worker and a Spark stream drain "
+        "them, Spark reports from the archives (needs the demo extra and Java 17+)",
+    )
+    _option(demo, "rows", "orders in the generated dataset", type=int, default=200_000)
+    _option(demo, "workers", "notification handlers the Python Worker runs at once", type=int,
+            default=8)  # fmt: skip
+    _option(demo, "batch", "orders per Spark micro-batch", type=int, default=25_000)
+    demo.add_argument(
+        "--out",
+        default=os.environ.get("LONNYMQ_DEMO_OUT", "demo-output"),
+        help="where the dataset, report.png, report.json and spark.log go "
+        "(env LONNYMQ_DEMO_OUT; default demo-output)",
+    )
     return parser
 
 
@@ -265,7 +277,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(dsn=args.dsn, messages=args.messages, workers=args.workers)
+        for name, low, high in (("rows", 100, None), ("workers", 1, 64), ("batch", 100, 100_000)):
+            value = getattr(args, name)
+            if value < low or (high is not None and value > high):
+                bounds = f">= {low}" if high is None else f"between {low} and {high}"
+                raise InvalidArgumentError(f"--{name} must be {bounds}, got {value}")
+        return run_demo(
+            dsn=args.dsn, rows=args.rows, workers=args.workers, out=args.out, batch=args.batch
+        )
     event_channel = getattr(args, "event_channel", None)
     with Queue(args.dsn, schema=args.schema, event_channel=event_channel) as q:
         return COMMANDS[args.command](q, args)

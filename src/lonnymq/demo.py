@@ -1,173 +1,799 @@
-"""The demo pipeline: per-tenant channels with policies, drained by worker threads.
+"""The demo pipeline (``lonnymq demo``): Spark and Python workers around two queues.
 
-It installs a queue in the ``lonnymq_demo`` schema (dropped and recreated each run), creates
-messages for a few tenants (one much busier than the others), gives each tenant a policy,
-runs a Worker whose handler fails some first attempts (they are retried with backoff), and
-prints what happened per channel: the policies held, and every message was finished exactly once.
+1. Spark generates a day of orders for five tenants, one of them most of the traffic, and
+   writes them to a Parquet file (the dataset).
+2. Spark ingests it (``df.write.format("lonnymq")``): the orders that need a confirmation
+   e-mail into per-tenant channels of the *notifications* queue, whose channels have policies,
+   and every order into per-tenant channels of the *orders* queue (each queue just before it
+   is drained).
+3. Two kinds of worker drain them, one queue after the other (so that each is measured on
+   its own): a Python :class:`~lonnymq.worker.Worker` sends the notifications (some fail once
+   and are retried with backoff, a few fail for good), and a Spark streaming query
+   (``spark.readStream.format("lonnymq")``, Trigger.AvailableNow) processes the orders into a
+   Parquet table.
+4. Spark reads both archives (``spark.read.format("lonnymq")``, ``table=archive``) and reports
+   per tenant: throughput, latency percentiles, retries and fairness (when each tenant was
+   done, against one FIFO queue at the same rate), as a table and a PNG chart.
+
+It then checks that every message was finished exactly once, that nothing was lost and that
+every policy held; the exit code is 0 only when all of that is true.
+
+This module imports no pyspark (the Spark steps are in :mod:`lonnymq.spark.demo`, imported
+once the prerequisites are known to be there).
 """
 
 from __future__ import annotations
 
-import itertools
-import random
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
 import threading
 import time
-from collections import Counter, defaultdict
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from .embedded import resolve_dsn
 from .queue import Message, Queue
-from .types import CreateStatus, NewMessage
 from .worker import Backoff, Worker
 
-SCHEMA = "lonnymq_demo"
-LOCK_MS = 30_000
+__all__ = ["run_demo"]
 
-# tenant -> (share of the messages, policy)
-TENANTS: dict[str, tuple[float, dict[str, int]]] = {
-    "tenant-big": (0.70, {"max_concurrency": 3}),
-    "tenant-rate": (0.10, {"release_interval_ms": 5}),
-    "tenant-capped": (0.10, {"max_size": 100}),
-    "tenant-small": (0.10, {}),
-}
+NOTIFY_SCHEMA = "lonnymq_demo"
+ORDERS_SCHEMA = "lonnymq_demo_orders"
+JAVA_MIN = 17
+NOTIFY_MIN_CENTS = 200_000
+"""Orders of this amount or more get a confirmation e-mail (about 7% of them)."""
+TRANSIENT_EVERY = 20
+"""The first attempt at the notification of every 20th order fails (a mail server timeout)."""
+PERMANENT_EVERY = 400
+"""Notifications to every 400th customer always fail (no valid address): failed for good."""
+MAX_ATTEMPTS = 3
+SEND_S = 0.002
+"""How long sending one notification takes (the handler's "work")."""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A tenant of the dataset: its share of the orders and its notification channel's policy
+    (``max_concurrency`` and ``max_size`` are filled in per run)."""
+
+    name: str
+    share: float
+    policy: str  # "", "max_concurrency", "release_interval_ms" or "max_size"
+
+
+TENANTS = (
+    Tenant("tenant-big", 0.62, "max_concurrency"),
+    Tenant("tenant-mid", 0.20, ""),
+    Tenant("tenant-small", 0.08, ""),
+    Tenant("tenant-rate", 0.05, "release_interval_ms"),
+    Tenant("tenant-capped", 0.05, "max_size"),
+)
+RELEASE_INTERVAL_MS = 20
+
+
+def policies(workers: int, offered: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The notification channels' policies: the big tenant never takes the last two workers,
+    one tenant is rate limited, and one may hold only half of its notifications (the rest
+    are dropped at ingestion: back-pressure)."""
+    result: dict[str, dict[str, int]] = {}
+    for tenant in TENANTS:
+        if tenant.policy == "max_concurrency":
+            result[tenant.name] = {"max_concurrency": max(1, workers - 2)}
+        elif tenant.policy == "release_interval_ms":
+            result[tenant.name] = {"release_interval_ms": RELEASE_INTERVAL_MS}
+        elif tenant.policy == "max_size":
+            result[tenant.name] = {"max_size": max(1, offered.get(tenant.name, 0) // 2)}
+        else:
+            result[tenant.name] = {}
+    return result
+
+
+def policy_text(policy: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in policy.items()) or "-"
+
+
+# -- the report (filled in by lonnymq.spark.demo from the archives) ------------------------
 
 
 @dataclass
-class Tally:
-    """What the workers saw for one channel."""
+class TenantReport:
+    """One tenant's messages in one queue, as the archive tells."""
 
-    finished: int = 0
-    retried: int = 0
-    in_flight: int = 0
-    max_in_flight: int = 0
+    tenant: str
+    policy: str
+    messages: int
+    failed: int
+    retries: int
+    throughput: float
+    """Messages per second from the start of the drain until the tenant was done."""
+    p50_ms: float
+    p95_ms: float
+    p99_ms: float
+    """Latency: finished_at - created_at."""
+    done_s: float
+    """When its last message was finished, in seconds after the drain started."""
+    fifo_done_s: float
+    """The same for one FIFO queue serving the orders in the order they came, at the same
+    overall rate: an estimate."""
+    min_gap_ms: int | None
+    """The smallest gap between two dequeues (of final attempts) of the channel."""
 
 
-def run_demo(*, dsn: str | None, messages: int, workers: int) -> int:
-    """Run the demo; returns a process exit code (0 when every check held)."""
-    queue = Queue(dsn, schema=SCHEMA, pool_size=workers + 2)
-    with psycopg.connect(queue.dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
-    with queue:
-        queue.install(archive=True)
-        for tenant, (_, policy) in TENANTS.items():
-            if policy:
-                queue.channel(tenant).set_policy(
-                    max_concurrency=policy.get("max_concurrency"),
-                    release_interval_ms=policy.get("release_interval_ms"),
-                    max_size=policy.get("max_size"),
-                )
-        print(
-            f"Installed schema {SCHEMA!r}; policies: "
-            + "; ".join(f"{t} {p}" for t, (_, p) in TENANTS.items() if p)
+@dataclass
+class QueueReport:
+    """One queue's archive, per tenant, with completions over time for the chart."""
+
+    title: str
+    schema: str
+    messages: int
+    span_s: float
+    throughput: float
+    tenants: list[TenantReport]
+    timeline: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    """Per tenant: (seconds after the drain started, messages finished by then)."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One of the demo's checks."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+# -- prerequisites -------------------------------------------------------------------------
+
+
+class MissingPrerequisite(Exception):
+    """What the demo needs and does not find, with what to do about it."""
+
+
+def java_version() -> tuple[str, int]:
+    """The ``java`` Spark will start (``$JAVA_HOME/bin/java``, else on ``PATH``) and its
+    major version; :class:`MissingPrerequisite` when there is none or it is too old."""
+    java_home = os.environ.get("JAVA_HOME")
+    java = str(Path(java_home) / "bin" / "java") if java_home else shutil.which("java")
+    how = (
+        "Install a JDK or JRE 17 or newer (Debian/Ubuntu: sudo apt-get install "
+        "openjdk-17-jre-headless; macOS: brew install openjdk@17) and put its java on PATH or "
+        "point JAVA_HOME at it, then run the demo again."
+    )
+    if not java or not Path(java).exists():
+        where = f"JAVA_HOME={java_home} has no bin/java" if java_home else "no java on PATH"
+        raise MissingPrerequisite(
+            f"the demo runs Spark, which needs Java {JAVA_MIN}+ ({where}).\n{how}"
+        )
+    try:
+        out = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except OSError as err:
+        raise MissingPrerequisite(f"could not run {java}: {err}.\n{how}") from None
+    text = out.stderr + out.stdout
+    found = re.search(r'version "(\d+)(?:\.(\d+))?[^"]*"', text)
+    if found is None:
+        raise MissingPrerequisite(f"could not tell the version of {java}:\n{text.strip()}\n{how}")
+    major = int(found.group(1))
+    if major == 1 and found.group(2):  # "1.8.0_392" is Java 8
+        major = int(found.group(2))
+    if major < JAVA_MIN:
+        raise MissingPrerequisite(
+            f"the demo runs Spark, which needs Java {JAVA_MIN}+; {java} is Java {major}.\n{how}"
+        )
+    return java, major
+
+
+def check_packages() -> None:
+    """pyspark, pyarrow and matplotlib: the ``demo`` extra."""
+    missing = [
+        m for m in ("pyspark", "pyarrow", "matplotlib") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        raise MissingPrerequisite(
+            f"the demo needs {', '.join(missing)}: pip install 'lonnymq[demo]' "
+            f"(./scripts/demo.sh installs it into .venv)"
         )
 
-        rng = random.Random(7)
-        tenants = list(TENANTS)
-        weights = [share for share, _ in TENANTS.values()]
-        items = [
-            NewMessage(content=f"order-{i}".encode(), channel=rng.choices(tenants, weights)[0])
-            for i in range(messages)
-        ]
-        started = time.perf_counter()
-        results = []
-        for chunk in range(0, len(items), 500):
-            results.extend(queue.create_many(items[chunk : chunk + 500]))
-        created = Counter(
-            item.channel
-            for item, r in zip(items, results, strict=True)
-            if r.status is CreateStatus.CREATED
-        )
-        dropped = Counter(
-            item.channel
-            for item, r in zip(items, results, strict=True)
-            if r.status is CreateStatus.DROPPED
-        )
-        print(
-            f"Created {sum(created.values())} messages in {time.perf_counter() - started:.2f}s "
-            f"({sum(dropped.values())} dropped by max_size)"
-        )
 
-        tallies: dict[str, Tally] = defaultdict(Tally)
-        seen: Counter[int] = Counter()
-        lock = threading.Lock()
-        fail_rng = random.Random(11)
+# -- what the user sees while it runs ------------------------------------------------------
 
-        def handle(message: Message) -> None:
-            with lock:
-                tally = tallies[message.channel]
-                tally.in_flight += 1
-                tally.max_in_flight = max(tally.max_in_flight, tally.in_flight)
-                fails = message.num_attempts == 1 and fail_rng.random() < 0.05
+
+class Display:
+    """Progress on a terminal (rich spinners and bars), plain timestamped lines otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self._started = time.monotonic()
+        self.console: Any = None
+        if self.tty:
+            from rich.console import Console
+
+            self.console = Console(highlight=False)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def line(self, text: str) -> None:
+        stamp = f"[{self.elapsed():6.1f}s]"
+        if self.console is not None:
+            self.console.print(f"[dim]{stamp}[/dim] {text}", markup=True)
+        else:
+            print(f"{stamp} {_plain(text)}", flush=True)
+
+    @contextmanager
+    def step(self, doing: str) -> Iterator[list[str]]:
+        """A step: a spinner while it runs, then one line with what it did (the caller
+        appends it to the yielded list)."""
+        started = time.monotonic()
+        done: list[str] = []
+        if self.console is not None:
+            with self.console.status(f"{doing} …"):
+                yield done
+        else:
+            yield done
+        took = time.monotonic() - started
+        self.line(f"{done[0] if done else doing} [dim]({took:.1f}s)[/dim]")
+
+    @contextmanager
+    def bars(self, tracks: Sequence[tuple[str, int, Callable[[], int]]]) -> Iterator[None]:
+        """Progress of work running meanwhile: per track its label, total and a function
+        returning how much is done (polled from a thread)."""
+        stop = threading.Event()
+
+        def poll(track: tuple[str, int, Callable[[], int]]) -> int:
             try:
-                time.sleep(0.001)  # the "work"
-                if fails:
-                    with lock:
-                        tally.retried += 1
-                    raise RuntimeError("simulated failure of a first attempt")
-            finally:
-                with lock:  # before the worker releases the message's slot
-                    tally.in_flight -= 1
-            with lock:
-                seen[message.id] += 1
-                tally.finished += 1
+                return min(track[1], track[2]())
+            except Exception:  # progress is best effort: the work reports its own errors
+                return 0
 
-        started = time.perf_counter()
-        worker = Worker(
-            queue,
-            handle,
-            concurrency=workers,
-            lock_ms=LOCK_MS,
-            max_attempts=3,
-            backoff=Backoff(base_ms=10, max_ms=100),
-        )
-        worker.run(handle_signals=False, until_idle=True)
-        elapsed = time.perf_counter() - started
-
-        print(
-            f"\nA worker running {workers} handlers at once drained the queue in {elapsed:.2f}s "
-            f"({sum(created.values()) / elapsed:.0f} msg/s)\n"
-        )
-        header = (
-            f"{'channel':<14} {'created':>7} {'dropped':>7} {'finished':>8} "
-            f"{'retried':>7} {'max in flight':>13} {'min gap ms':>10}  policy"
-        )
-        print(header)  # min gap: between two dequeues of the channel (database clock)
-        print("-" * len(header))
-        ok = True
-        lock_times = _archived_lock_times(queue)
-        for tenant, (_, policy) in TENANTS.items():
-            t = tallies[tenant]
-            times = lock_times.get(tenant, [])
-            gaps = [b - a for a, b in itertools.pairwise(times)]
-            min_gap = str(min(gaps)) if gaps else "-"
-            print(
-                f"{tenant:<14} {created[tenant]:>7} {dropped[tenant]:>7} {t.finished:>8} "
-                f"{t.retried:>7} {t.max_in_flight:>13} {min_gap:>10}  {policy or '-'}"
+        if self.console is not None:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
             )
-            limit = policy.get("max_concurrency")
-            interval = policy.get("release_interval_ms")
-            ok &= t.finished == created[tenant]
-            ok &= limit is None or t.max_in_flight <= limit
-            ok &= interval is None or not gaps or min(gaps) >= interval
-        duplicates = [i for i, n in seen.items() if n > 1]
-        leftover = queue.stats()
-        ok &= not duplicates and all(s.size == 0 for s in leftover)
-        print(
-            f"\nFinished exactly once: {'yes' if not duplicates else duplicates[:5]}; "
-            f"left in the queue: {sum(s.size for s in leftover)}; "
-            f"archived: {sum(len(v) for v in lock_times.values())}"
+
+            progress = Progress(
+                TextColumn("{task.description:<34}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
+            tasks = [progress.add_task(label, total=total) for label, total, _ in tracks]
+
+            def refresh() -> None:
+                while not stop.wait(0.3):
+                    for task, track in zip(tasks, tracks, strict=True):
+                        progress.update(task, completed=poll(track))
+
+            with progress:
+                thread = threading.Thread(target=refresh, daemon=True)
+                thread.start()
+                try:
+                    yield
+                finally:
+                    stop.set()
+                    thread.join()
+                    for task, track in zip(tasks, tracks, strict=True):
+                        progress.update(task, completed=poll(track))
+            return
+
+        def report() -> None:
+            while not stop.wait(5):
+                parts = []
+                for label, total, _ in tracks:
+                    n = poll((label, total, _))
+                    parts.append(f"{label} {n:,}/{total:,} ({100 * n / max(total, 1):.0f}%)")
+                self.line(" · ".join(parts))
+
+        thread = threading.Thread(target=report, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    def table(
+        self, title: str, headers: list[str], rows: list[list[str]], *, text_columns: int = 1
+    ) -> None:
+        """Left-aligned text in the first ``text_columns`` columns, numbers in the rest."""
+        if self.console is not None:
+            from rich.table import Table
+
+            table = Table(*headers, title=title, title_justify="left")
+            for column in table.columns[text_columns:]:
+                column.justify = "right"
+            for row in rows:
+                table.add_row(*row)
+            self.console.print()
+            self.console.print(table)
+            return
+        print(f"\n{title}")
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+        for line in [headers, *rows]:
+            cells = [
+                cell.ljust(w) if i < text_columns else cell.rjust(w)
+                for i, (cell, w) in enumerate(zip(line, widths, strict=True))
+            ]
+            print("  ".join(cells).rstrip())
+        sys.stdout.flush()
+
+
+def _plain(text: str) -> str:
+    """Rich markup removed."""
+    return re.sub(r"\[/?(?:dim|bold|green|red|yellow|cyan)\]", "", text)
+
+
+# -- the Python worker's side --------------------------------------------------------------
+
+
+class NotificationHandler:
+    """Sends one notification (it sleeps ``SEND_S``) and keeps what the worker did per
+    channel: how many ran at once, and how often each message was completed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.in_flight: Counter[str] = Counter()
+        self.max_in_flight: Counter[str] = Counter()
+        self.completions: Counter[int] = Counter()
+        self.finished = 0
+
+    def __call__(self, message: Message) -> None:
+        order = json.loads(message.content)
+        channel = message.channel
+        with self._lock:
+            self.in_flight[channel] += 1
+            self.max_in_flight[channel] = max(self.max_in_flight[channel], self.in_flight[channel])
+        try:
+            time.sleep(SEND_S)
+            if order["customer_id"] % PERMANENT_EVERY == 0:
+                raise ValueError(f"customer {order['customer_id']} has no valid e-mail address")
+            if order["order_id"] % TRANSIENT_EVERY == 0 and message.num_attempts == 1:
+                raise TimeoutError("the mail server timed out")
+        finally:
+            with self._lock:  # before the worker gives the message's slot back
+                self.in_flight[channel] -= 1
+        with self._lock:
+            self.completions[message.id] += 1
+
+
+@contextmanager
+def _worker_log(path: Path) -> Iterator[None]:
+    """The worker's log (a line per failed attempt) goes to ``path``, not the terminal."""
+    logger = logging.getLogger("lonnymq.worker")
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _reset_schema(dsn: str, schema: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def _left(queue: Queue) -> int:
+    return sum(s.size for s in queue.stats())
+
+
+# -- the pipeline --------------------------------------------------------------------------
+
+
+def run_demo(
+    *, dsn: str | None, rows: int, workers: int, out: str | os.PathLike[str], batch: int
+) -> int:
+    """Run the demo pipeline; returns the process exit code (0 when every check held)."""
+    display = Display()
+    try:
+        check_packages()
+        java, major = java_version()
+    except MissingPrerequisite as err:
+        print(f"lonnymq demo: {err}", file=sys.stderr)
+        return 1
+    from .spark import demo as spark_demo
+
+    out_dir = Path(out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    display.line(
+        f"[bold]lonnymq demo[/bold]: {rows:,} orders, {workers} Python handlers, "
+        f"Spark micro-batches of {batch:,}; output in {out_dir}"
+    )
+    with display.step("Starting PostgreSQL") as step:
+        embedded = not (dsn or os.environ.get("LONNYMQ_DSN"))
+        dsn = resolve_dsn(dsn)
+        for schema in (NOTIFY_SCHEMA, ORDERS_SCHEMA):
+            _reset_schema(dsn, schema)
+        with psycopg.connect(dsn) as conn:
+            version = conn.info.server_version
+        step.append(
+            f"PostgreSQL {version // 10000}.{version % 10000} "
+            f"({'embedded' if embedded else 'LONNYMQ_DSN'}); schemas {NOTIFY_SCHEMA} "
+            f"(notifications) and {ORDERS_SCHEMA} (orders) created with an archive"
         )
-        print("All checks held." if ok else "A check FAILED (see above).")
-        return 0 if ok else 1
+        with Queue(dsn, schema=NOTIFY_SCHEMA) as q:
+            q.install(archive=True)
+        with Queue(dsn, schema=ORDERS_SCHEMA) as q:
+            q.install(archive=True)
+
+    with display.step("Starting Spark") as step:
+        spark = spark_demo.start_spark(out_dir / "spark.log")
+        step.append(
+            f"Spark {spark.version} on local[2] (Java {major}, {java}); "
+            f"its log: {out_dir / 'spark.log'}"
+        )
+    try:
+        return _pipeline(
+            spark=spark,
+            spark_demo=spark_demo,
+            display=display,
+            dsn=dsn,
+            rows=rows,
+            workers=workers,
+            out_dir=out_dir,
+            batch=batch,
+        )
+    finally:
+        spark_demo.stop_spark(spark)
 
 
-def _archived_lock_times(queue: Queue) -> dict[str, list[int]]:
-    """When each archived message's final attempt was dequeued (database clock), by channel."""
-    query = sql.SQL("SELECT channel, locked_at FROM {}.archive ORDER BY channel, locked_at")
-    times: dict[str, list[int]] = defaultdict(list)
-    with psycopg.connect(queue.dsn) as conn:
-        for channel, locked_at in conn.execute(query.format(sql.Identifier(SCHEMA))):
-            times[channel].append(locked_at)
-    return times
+def _pipeline(
+    *,
+    spark: Any,
+    spark_demo: Any,
+    display: Display,
+    dsn: str,
+    rows: int,
+    workers: int,
+    out_dir: Path,
+    batch: int,
+) -> int:
+    checks: list[Check] = []
+    with display.step("Generating the dataset") as step:
+        dataset = spark_demo.generate_orders(spark, rows, out_dir / "orders.parquet")
+        shares = ", ".join(f"{t} {100 * n / max(rows, 1):.0f}%" for t, n in dataset.orders.items())
+        step.append(
+            f"Spark generated {dataset.rows:,} orders ({shares}) into {dataset.path.name}; "
+            f"{sum(dataset.notifications.values()):,} of {NOTIFY_MIN_CENTS // 100:,} or more "
+            f"need a confirmation e-mail"
+        )
+    checks.append(Check("dataset", dataset.rows == rows, f"{dataset.rows:,} rows"))
+
+    policy = policies(workers, dataset.notifications)
+    notify_q = Queue(dsn, schema=NOTIFY_SCHEMA, pool_size=workers + 4)
+    orders_q = Queue(dsn, schema=ORDERS_SCHEMA, pool_size=2)
+    with notify_q, orders_q:
+        for tenant, p in policy.items():
+            if p:
+                notify_q.channel(tenant).set_policy(
+                    max_concurrency=p.get("max_concurrency"),
+                    release_interval_ms=p.get("release_interval_ms"),
+                    max_size=p.get("max_size"),
+                )
+        display.line(
+            "Notification channel policies: "
+            + "; ".join(f"{t} {policy_text(p)}" for t, p in policy.items() if p)
+        )
+        with display.step("Ingesting notifications") as step:
+            notified = spark_demo.ingest_notifications(spark, dataset, dsn, NOTIFY_SCHEMA)
+            step.append(
+                f"Spark enqueued {notified.created:,} notifications into {NOTIFY_SCHEMA} "
+                f"({notified.dropped:,} dropped by max_size)"
+            )
+        offered = sum(dataset.notifications.values())
+        capped = next(t.name for t in TENANTS if t.policy == "max_size")
+        capped_size = next(s.size for s in notify_q.stats() if s.channel == capped)
+        max_size = policy[capped]["max_size"]
+        checks.append(
+            Check(
+                "max_size held",
+                notified.created + notified.dropped == offered
+                and capped_size == min(max_size, dataset.notifications[capped])
+                and set(notified.dropped_channels) <= {capped},
+                f"{capped} holds {capped_size} of {dataset.notifications[capped]} "
+                f"(max_size={max_size}); {notified.dropped} dropped, all from it",
+            )
+        )
+
+        handler = NotificationHandler()
+        worker = Worker(
+            notify_q,
+            handler,
+            concurrency=workers,
+            lock_ms=30_000,
+            max_attempts=MAX_ATTEMPTS,
+            backoff=Backoff(base_ms=200, max_ms=1_000),
+        )
+        display.line(f"A Python Worker ({workers} handlers) sends the notifications")
+        track = ("notifications · Python Worker", notified.created)
+        started = time.monotonic()
+        with (
+            _worker_log(out_dir / "worker.log"),
+            display.bars([(*track, lambda: worker.stats.completed + worker.stats.failed)]),
+        ):
+            worker.run(handle_signals=False, until_idle=True)
+        display.line(
+            f"Sent {worker.stats.completed:,} notifications in {time.monotonic() - started:.1f}s "
+            f"({worker.stats.retried:,} retried, {worker.stats.failed:,} failed for good; "
+            f"the worker's log: worker.log)"
+        )
+
+        with display.step("Ingesting orders") as step:
+            ingested = spark_demo.ingest_orders(spark, dataset, dsn, ORDERS_SCHEMA)
+            step.append(f"Spark enqueued {ingested.created:,} orders into {ORDERS_SCHEMA}")
+        stream = spark_demo.OrderStream(
+            spark,
+            dsn,
+            ORDERS_SCHEMA,
+            path=out_dir / "processed-orders.parquet",
+            batch=batch,
+            on_restart=lambda why: display.line(
+                f"[yellow]The streaming query failed to start ({why}); started again from "
+                f"its checkpoint[/yellow]"
+            ),
+        )
+        display.line(
+            f"A Spark streaming query (Trigger.AvailableNow) processes the orders into "
+            f"{stream.path.name}"
+        )
+        started = time.monotonic()
+        with display.bars([("orders · Spark streaming query", ingested.created, stream.processed)]):
+            try:
+                stream.start()
+                stream.wait()
+            finally:
+                stream.stop()
+        display.line(
+            f"Processed {stream.processed():,} orders in {time.monotonic() - started:.1f}s "
+            f"({stream.batches()} micro-batches)"
+        )
+
+        with display.step("Reading the archives") as step:
+            notify_archive = spark_demo.read_archive(spark, dsn, NOTIFY_SCHEMA)
+            orders_archive = spark_demo.read_archive(spark, dsn, ORDERS_SCHEMA)
+            reports = [
+                spark_demo.archive_report(
+                    notify_archive, NOTIFY_SCHEMA, "Notifications (Python Worker)", policy
+                ),
+                spark_demo.archive_report(
+                    orders_archive, ORDERS_SCHEMA, "Orders (Spark streaming query)", {}
+                ),
+            ]
+            fates = spark_demo.notification_fates(notify_archive)
+            notify_archive.unpersist()
+            orders_archive.unpersist()
+            processed = spark_demo.processed_totals(spark, stream.path)
+            step.append(
+                f"Spark read {sum(r.messages for r in reports):,} archived messages and "
+                f"{processed.rows:,} processed orders"
+            )
+        left_notify, left_orders = _left(notify_q), _left(orders_q)
+
+    checks += _checks(
+        dataset=dataset,
+        notified=notified,
+        ingested=ingested,
+        reports=reports,
+        fates=fates,
+        processed=processed,
+        handler=handler,
+        policy=policy,
+        left_notify=left_notify,
+        left_orders=left_orders,
+    )
+    for report in reports:
+        _print_report(display, report)
+    chart = out_dir / "report.png"
+    _chart(reports, chart, rows)
+    (out_dir / "report.json").write_text(
+        json.dumps(
+            {
+                "rows": rows,
+                "workers": workers,
+                "batch": batch,
+                "runtime_s": round(display.elapsed(), 1),
+                "queues": [asdict(r) for r in reports],
+                "checks": [asdict(c) for c in checks],
+            },
+            indent=1,
+        )
+    )
+    print()
+    for check in checks:
+        mark = "[green]ok[/green]  " if check.ok else "[red]FAIL[/red]"
+        text = f"{mark} {check.name}: {check.detail}"
+        if display.console is not None:
+            display.console.print(text)
+        else:
+            print(_plain(text.replace("[red]FAIL[/red]", "FAIL")))
+    ok = all(c.ok for c in checks)
+    display.line(
+        f"Chart: {chart}; numbers: {out_dir / 'report.json'}. "
+        + ("All checks held." if ok else "[red]A check FAILED[/red] (see above).")
+    )
+    return 0 if ok else 1
+
+
+def _checks(
+    *,
+    dataset: Any,
+    notified: Any,
+    ingested: Any,
+    reports: list[QueueReport],
+    fates: Any,
+    processed: Any,
+    handler: NotificationHandler,
+    policy: dict[str, dict[str, int]],
+    left_notify: int,
+    left_orders: int,
+) -> list[Check]:
+    notify, orders = reports
+    checks = []
+    twice = [i for i, n in handler.completions.items() if n > 1]
+    checks.append(
+        Check(
+            "notifications finished exactly once",
+            notify.messages == notified.created
+            and left_notify == 0
+            and not twice
+            and fates.distinct_keys == notify.messages
+            and fates.mismatched == 0,
+            f"{notify.messages:,} archived of {notified.created:,} enqueued, {left_notify} left; "
+            f"completed twice: {len(twice)}; outcome other than its fate: {fates.mismatched}",
+        )
+    )
+    for tenant in notify.tenants:
+        limits = policy.get(tenant.tenant, {})
+        if "max_concurrency" in limits:
+            seen = handler.max_in_flight[tenant.tenant]
+            checks.append(
+                Check(
+                    "max_concurrency held",
+                    seen <= limits["max_concurrency"],
+                    f"{tenant.tenant}: at most {seen} handlers at once "
+                    f"(max_concurrency={limits['max_concurrency']})",
+                )
+            )
+        if "release_interval_ms" in limits:
+            gap = tenant.min_gap_ms
+            checks.append(
+                Check(
+                    "release_interval_ms held",
+                    gap is None or gap >= limits["release_interval_ms"],
+                    f"{tenant.tenant}: smallest gap between two dequeues {gap} ms "
+                    f"(release_interval_ms={limits['release_interval_ms']})",
+                )
+            )
+    expected = dataset.orders
+    checks.append(
+        Check(
+            "orders processed exactly once",
+            orders.messages == ingested.created == dataset.rows
+            and left_orders == 0
+            and processed.rows == processed.distinct_orders == dataset.rows
+            and processed.by_tenant == dataset.revenue,
+            f"{orders.messages:,} archived of {ingested.created:,} enqueued, {left_orders} left; "
+            f"{processed.rows:,} processed ({processed.distinct_orders:,} distinct); "
+            f"orders and revenue per tenant "
+            f"{'match' if processed.by_tenant == dataset.revenue else 'DIFFER from'} the dataset "
+            f"({sum(expected.values()):,} orders)",
+        )
+    )
+    return checks
+
+
+def _ms(value: float) -> str:
+    return f"{value / 1000:.2f}s" if value >= 1000 else f"{value:.0f}ms"
+
+
+def _print_report(display: Display, report: QueueReport) -> None:
+    headers = [
+        "tenant", "policy", "messages", "failed", "retries", "msg/s",
+        "p50", "p95", "p99", "done at", "FIFO est.",
+    ]  # fmt: skip
+    rows = [
+        [
+            t.tenant,
+            t.policy,
+            f"{t.messages:,}",
+            f"{t.failed:,}",
+            f"{t.retries:,}",
+            f"{t.throughput:,.0f}",
+            _ms(t.p50_ms),
+            _ms(t.p95_ms),
+            _ms(t.p99_ms),
+            f"{t.done_s:.1f}s",
+            f"{t.fifo_done_s:.1f}s",
+        ]
+        for t in report.tenants
+    ]
+    rows.append(
+        [
+            "all",
+            "",
+            f"{report.messages:,}",
+            f"{sum(t.failed for t in report.tenants):,}",
+            f"{sum(t.retries for t in report.tenants):,}",
+            f"{report.throughput:,.0f}",
+            "",
+            "",
+            "",
+            f"{report.span_s:.1f}s",
+            f"{report.span_s:.1f}s",
+        ]
+    )
+    display.table(f"{report.title}: {report.schema}.archive", headers, rows, text_columns=2)
+
+
+def _chart(reports: list[QueueReport], path: Path, rows: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(
+        zip(
+            [t.name for t in TENANTS],
+            ["#d1495b", "#edae49", "#66a182", "#00798c", "#8d96a3"],
+            strict=True,
+        )
+    )
+    fig, axes = plt.subplots(2, len(reports), figsize=(6.5 * len(reports), 8.5))
+    for column, report in enumerate(reports):
+        ax = axes[0][column]
+        for tenant in report.tenants:
+            points = report.timeline.get(tenant.tenant, [])
+            if not points:
+                continue
+            xs = [0.0] + [t for t, _ in points]
+            ys = [0.0] + [100 * n / max(tenant.messages, 1) for _, n in points]
+            ax.step(xs, ys, where="post", label=tenant.tenant, color=colors.get(tenant.tenant))
+        ax.plot([0, report.span_s], [0, 100], "--", color="#888", label="one FIFO queue (est.)")
+        ax.set_title(f"{report.title}\nshare of each tenant's messages finished")
+        ax.set_xlabel("seconds after the drain started")
+        ax.set_ylabel("% finished")
+        ax.set_ylim(0, 102)
+        ax.legend(fontsize=8, loc="lower right")
+        ax.grid(alpha=0.3)
+
+        ax = axes[1][column]
+        names = [t.tenant for t in report.tenants]
+        width = 0.27
+        for i, (label, key) in enumerate([("p50", "p50_ms"), ("p95", "p95_ms"), ("p99", "p99_ms")]):
+            values = [getattr(t, key) / 1000 for t in report.tenants]
+            ax.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=label)
+        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_ylabel("latency, seconds (created → finished)")
+        ax.set_title("latency per tenant")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"lonnymq demo: {rows:,} orders")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -52,11 +52,49 @@ def test_bad_schema_name_is_a_clean_error(dsn: str) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_demo_runs_and_checks_hold(dsn: str) -> None:
-    result = _run(dsn, "demo", "--messages", "300", "--workers", "3")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "All checks held." in result.stdout
-    assert "Finished exactly once: yes" in result.stdout
+def _demo_without(java: Path | None, dsn: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``lonnymq demo`` with no java on PATH, and ``java`` (when given) as JAVA_HOME's."""
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env.update(LONNYMQ_DSN=dsn, PATH=str(tmp_path / "empty"))
+    if java is not None:
+        env["JAVA_HOME"] = str(java)
+    return subprocess.run(
+        [sys.executable, "-m", "lonnymq.cli", "demo", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_demo_without_java_says_what_to_install(dsn: str, tmp_path: Path) -> None:
+    # The full demo runs in tests/spark/test_demo.py; here, its first check, before any work.
+    result = _demo_without(None, dsn, tmp_path)
+    assert result.returncode == 1
+    assert "needs Java 17+" in result.stderr
+    assert "no java on PATH" in result.stderr
+    assert "JAVA_HOME" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_with_an_old_java_says_so(dsn: str, tmp_path: Path) -> None:
+    java_home = tmp_path / "jdk11"
+    (java_home / "bin").mkdir(parents=True)
+    java = java_home / "bin" / "java"
+    java.write_text("#!/bin/sh\necho 'openjdk version \"11.0.21\" 2023-10-17' >&2\n")
+    java.chmod(0o755)
+    result = _demo_without(java_home, dsn, tmp_path)
+    assert result.returncode == 1
+    assert f"{java} is Java 11" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_demo_refuses_a_tiny_dataset(dsn: str) -> None:
+    result = _run(dsn, "demo", "--rows", "10")
+    assert result.returncode == 1
+    assert "--rows must be >= 100" in result.stderr
 
 
 def _run_in(
