@@ -5,8 +5,8 @@
 -- max_size, counters) in arrays: right for channels with a policy and rows with dedup keys,
 -- but most of a bulk load is neither. A channel is promoted the fast way when it has no policy
 -- and none of the write's rows for it carries a dedup key: nothing can then refuse or
--- deduplicate its rows, so they are all created, in (task, seq) order, and the channel only
--- needs to become due. The other channels keep the 0004 path, whole (a channel's rows are
+-- deduplicate its rows, so they are all created, with ids in task order (the order of
+-- p_task_tags) and input order within a task, and the channel only needs to become due. The other channels keep the 0004 path, whole (a channel's rows are
 -- never split between the two, so their ids keep the order they had).
 --
 -- Locks: like message_create_many (a write may name more channels than advisory locks fit in
@@ -114,11 +114,13 @@ BEGIN
             SELECT coalesce(s.channel, 'default') AS channel, s.content,
                    coalesce(s.dequeue_at, v_now) AS dequeue_at
             FROM spark_stage s
-            WHERE s.write_id = p_write_id AND s.task_tag = ANY (p_task_tags)
+            JOIN unnest(p_task_tags) WITH ORDINALITY AS t(tag, ord) ON t.tag = s.task_tag
+            WHERE s.write_id = p_write_id
               AND coalesce(s.channel, 'default') = ANY (v_fast)
             -- Task, then input order: each channel's rows keep their task's order. The
-            -- tags' own order is arbitrary (as it was): byte order sorts fastest.
-            ORDER BY s.task_tag COLLATE "C", s.seq
+            -- tasks' own order is arbitrary (as it was): their place in p_task_tags sorts
+            -- fastest (integers).
+            ORDER BY t.ord, s.seq
         ) o
         RETURNING message.id, message.channel, message.dequeue_at
     ), added AS (
