@@ -612,9 +612,14 @@ def run_bench(
     bench = Bench(dsn, chosen, out_dir, log)
     with psycopg.connect(dsn) as conn:
         version = conn.execute("SHOW server_version").fetchone()
+    shape = (
+        "the Spark section only"
+        if spark_only
+        else f"{chosen.clients} clients per side, {chosen.seconds}s x {chosen.repeats} per row"
+    )
     log(
-        f"lonnymq bench, profile {chosen.name}: PostgreSQL {version[0] if version else '?'}, "
-        f"{chosen.clients} clients per side, {chosen.seconds}s x {chosen.repeats} per row"
+        f"lonnymq bench, profile {chosen.name}: "
+        f"PostgreSQL {version[0] if version else '?'}, {shape}"
     )
     started = time.perf_counter()
     report: dict[str, Any] = {
