@@ -6,8 +6,9 @@
 -- but most of a bulk load is neither. A channel is promoted the fast way when it has no policy
 -- and none of the write's rows for it carries a dedup key: nothing can then refuse or
 -- deduplicate its rows, so they are all created, with ids in task order (the order of
--- p_task_tags) and input order within a task, and the channel only needs to become due. The other channels keep the 0004 path, whole (a channel's rows are
--- never split between the two, so their ids keep the order they had).
+-- p_task_tags) and input order within a task, and the channel only needs to become due. The
+-- other channels keep the 0004 path, whole (a channel's rows are never split between the two,
+-- so their ids keep the order they had).
 --
 -- Locks: like message_create_many (a write may name more channels than advisory locks fit in
 -- memory), every channel row of the write is locked, in name order, before anything is
