@@ -16,6 +16,7 @@ from here, side by side in one run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -36,7 +37,7 @@ from psycopg import sql
 
 from .queue import Queue
 
-__all__ = ["Profile", "run_bench"]
+__all__ = ["Profile", "run_bench", "spark_unavailable"]
 
 SCHEMA = "lonnymq_bench"
 RAW_SCHEMA = "lonnymq_bench_raw"
@@ -150,6 +151,16 @@ SCRIPTS = {
         "\\endif\n"
     ),
 }
+
+
+def spark_unavailable() -> str | None:
+    """Why the Spark figures cannot be measured here (``None``: they can)."""
+    if importlib.util.find_spec("pyspark") is None:
+        return "pyspark is not installed (pip install 'lonnymq[spark]')"
+    java_home = os.environ.get("JAVA_HOME")
+    if not (java_home and Path(java_home, "bin", "java").exists()) and not shutil.which("java"):
+        return "no Java runtime (set JAVA_HOME or put java on PATH)"
+    return None
 
 
 def pgbench_path() -> str:
@@ -515,6 +526,21 @@ def _table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def _spark_table(spark: dict[str, Any]) -> str:
+    write = spark["write"]
+    rates = write["rows_per_s"]
+    lines = [
+        f"{'spark':<34} {'rate (median)':>16} {'x raw':>6}",
+        f"{'batch write, ' + format(write['rows'], ',') + ' rows':<34} "
+        f"{rates['spark write']:>10,.0f} rows/s {write['ratio']:>6.2f}",
+        f"{'raw binary COPY, same rows':<34} {rates['raw copy']:>10,.0f} rows/s {1:>6.2f}",
+    ]
+    for row in spark["stream"]:
+        label = f"stream read, {row['max_messages_per_batch']:,}/batch"
+        lines.append(f"{label:<34} {row['msgs_per_s']:>11,.0f} msg/s {'-':>6}")
+    return "\n".join(lines)
+
+
 def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> list[Path]:
     try:
         import matplotlib
@@ -560,53 +586,82 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _spark_section(dsn: str, profile: str, log: Callable[[str], None]) -> dict[str, Any]:
+    log("spark (local[2]):")
+    if (reason := spark_unavailable()) is not None:
+        log(f"  skipped: {reason}")
+        return {"skipped": reason}
+    from .spark import bench as spark_bench
+
+    return spark_bench.run(dsn, profile=profile, log=log)
+
+
 def run_bench(
     dsn: str,
     *,
     profile: str = "default",
     out: str | os.PathLike[str] = "benchmarks/results",
     log: Callable[[str], None] = print,
+    spark_only: bool = False,
 ) -> dict[str, Any]:
-    """Run the benchmark; print a table, write ``bench.json`` and PNG plots to ``out``."""
+    """Run the benchmark; print a table, write ``bench.json`` and PNG plots to ``out``.
+    With ``spark_only``, only the Spark section runs (and no plot is drawn)."""
     chosen = PROFILES[profile]
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     bench = Bench(dsn, chosen, out_dir, log)
     with psycopg.connect(dsn) as conn:
         version = conn.execute("SHOW server_version").fetchone()
+    shape = (
+        "the Spark section only"
+        if spark_only
+        else f"{chosen.clients} clients per side, {chosen.seconds}s x {chosen.repeats} per row"
+    )
     log(
-        f"lonnymq bench, profile {chosen.name}: PostgreSQL {version[0] if version else '?'}, "
-        f"{chosen.clients} clients per side, {chosen.seconds}s x {chosen.repeats} per row"
+        f"lonnymq bench, profile {chosen.name}: "
+        f"PostgreSQL {version[0] if version else '?'}, {shape}"
     )
     started = time.perf_counter()
-    log("throughput (pgbench):")
-    results = bench.throughput()
-    log("dequeue latency (one call at a time):")
-    latency = bench.latency()
-    log("the worker:")
-    wakeup = bench.wakeup()
-    worker = bench.worker_drain()
-    raw_drain = _raw_medians(results).get(("drain", 1))
-    if raw_drain:
-        worker["ratio_to_raw_drain"] = worker["msgs_per_s"] / raw_drain
-    bench.reset()
-    with bench._admin() as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(RAW_SCHEMA)))
-    table = _table(results)
-    log("\n" + table)
-    report = {
+    report: dict[str, Any] = {
         "profile": asdict(chosen),
         "server_version": version[0] if version else None,
-        "throughput": [asdict(r) | {"median": r.median} for r in results],
-        "latency": latency,
-        "wakeup": wakeup,
-        "worker": worker,
-        "seconds": time.perf_counter() - started,
     }
+    results: list[Result] = []
+    latency: list[dict[str, Any]] = []
+    if not spark_only:
+        log("throughput (pgbench):")
+        results = bench.throughput()
+        log("dequeue latency (one call at a time):")
+        latency = bench.latency()
+        log("the worker:")
+        wakeup = bench.wakeup()
+        worker = bench.worker_drain()
+        raw_drain = _raw_medians(results).get(("drain", 1))
+        if raw_drain:
+            worker["ratio_to_raw_drain"] = worker["msgs_per_s"] / raw_drain
+        report |= {
+            "throughput": [asdict(r) | {"median": r.median} for r in results],
+            "latency": latency,
+            "wakeup": wakeup,
+            "worker": worker,
+        }
+    spark = _spark_section(dsn, chosen.name, log)
+    report["spark"] = spark
+    if not spark_only:
+        bench.reset()
+        with bench._admin() as conn:
+            for schema in (SCHEMA, RAW_SCHEMA):
+                conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+                )
+        log("\n" + _table(results))
+    if "write" in spark:
+        log("\n" + _spark_table(spark))
+    report["seconds"] = time.perf_counter() - started
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
-    for path in _plot(results, latency, out_dir):
-        log(f"wrote {path}")
+    if not spark_only:
+        for path in _plot(results, latency, out_dir):
+            log(f"wrote {path}")
     log(f"wrote {out_dir / 'bench.json'} ({report['seconds']:.0f}s)")
     shutil.rmtree(bench.tmp, ignore_errors=True)
     return report

@@ -187,6 +187,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quick", action="store_true", help="a short smoke run (seconds)")
     bench.add_argument(
+        "--spark-only",
+        action="store_true",
+        help="only the Spark section (batch write against raw COPY, streaming read)",
+    )
+    bench.add_argument(
         "--out",
         default=os.environ.get("LONNYMQ_BENCH_OUT", "benchmarks/results"),
         help="where bench.json and the plots go (env LONNYMQ_BENCH_OUT)",
@@ -272,7 +277,12 @@ def _run(args: argparse.Namespace) -> int:
         from .bench import run_bench
         from .embedded import resolve_dsn
 
-        run_bench(resolve_dsn(args.dsn), profile="quick" if args.quick else "default", out=args.out)
+        run_bench(
+            resolve_dsn(args.dsn),
+            profile="quick" if args.quick else "default",
+            out=args.out,
+            spark_only=args.spark_only,
+        )
         return 0
     if args.command == "demo":
         from .demo import run_demo

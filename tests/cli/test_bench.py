@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from lonnymq.bench import spark_unavailable
+
 
 @pytest.mark.slow
 def test_bench_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
@@ -34,3 +36,25 @@ def test_bench_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
     assert {r["shape"] for r in report["latency"]} >= {"expired locks", "saturated channels"}
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert "x raw" in result.stdout
+    spark = report["spark"]
+    reason = spark_unavailable()
+    if reason is not None:
+        assert spark == {"skipped": reason}
+        assert f"skipped: {reason}" in result.stdout
+        return
+    # The Spark section: the batch write against a raw COPY, and one streaming read per
+    # micro-batch size, each of which drained its queue (checked by the bench itself).
+    write = spark["write"]
+    assert write["rows"] == spark["profile"]["rows"]
+    assert write["rows_per_s"]["spark write"] > 0
+    assert write["rows_per_s"]["raw copy"] > 0
+    assert write["ratio"] > 0
+    assert write["commit_seconds"] is not None
+    assert 0 < write["commit_seconds"] < write["seconds"]
+    sizes = [row["max_messages_per_batch"] for row in spark["stream"]]
+    assert sizes == spark["profile"]["batch_sizes"]
+    for row in spark["stream"]:
+        assert row["msgs_per_s"] > 0
+        # At least messages / batch size micro-batches (more when a plan came up short).
+        assert row["batches"] >= -(-row["messages"] // row["max_messages_per_batch"])
+    assert "stream read" in result.stdout
