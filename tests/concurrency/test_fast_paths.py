@@ -881,3 +881,20 @@ def test_batch_refusal_changes_nothing(queue: Queue, admin: Conn) -> None:
         queue.create_many([NewMessage(b"ok", channel="c"), NewMessage(b"bad", channel="")])
     assert queue.stats() == []
     assert _rows(admin, queue.schema) == {}
+
+
+# -- 0009: batches leave a slot for the channels with a policy they pass ------------------
+
+
+def test_batches_serve_a_due_channel_with_a_policy(queue: Queue) -> None:
+    queue.channel("b").set_policy(max_size=1_000)
+    for channel in ("a", "b", "c"):
+        queue.create_many(
+            [NewMessage(f"{channel}{i}".encode(), channel=channel) for i in range(40)]
+        )
+    for _ in range(4):
+        batch = queue.dequeue_batch(8, lock_ms=LOCK_MS)
+        assert len(batch.messages) == 8
+        by_channel = Counter(m.channel for m in batch.messages)
+        assert by_channel["b"] >= 1, by_channel
+        assert queue.delete_many(batch.messages) == [AckStatus.OK] * 8

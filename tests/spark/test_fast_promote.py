@@ -1,4 +1,4 @@
-"""The commit of a Spark write (spark_write_commit, migration 0005), called directly: rows of
+"""The commit of a Spark write (spark_write_commit, migration 0008), called directly: rows of
 policy-free channels without dedup keys are promoted by one INSERT … SELECT, the others through
 message_create_many, and the outcome is the one message_create_many alone gives."""
 

@@ -1,4 +1,4 @@
--- 0005_spark_fast_promote: a Spark write's commit promotes the rows of plain channels with one
+-- 0008_spark_fast_promote: a Spark write's commit promotes the rows of plain channels with one
 -- INSERT … SELECT from staging, instead of handing every row to message_create_many.
 --
 -- In 0004 every staged row went through message_create_many, which decides each item (dedup,
