@@ -212,6 +212,24 @@ def check_packages() -> None:
 # -- what the user sees while it runs ------------------------------------------------------
 
 
+@contextmanager
+def _every(seconds: float, tick: Callable[[], None]) -> Iterator[None]:
+    """Call ``tick`` every ``seconds`` from a thread while the block runs."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(seconds):
+            tick()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 class Display:
     """Progress on a terminal (rich spinners and bars), plain timestamped lines otherwise."""
 
@@ -252,7 +270,6 @@ class Display:
     def bars(self, tracks: Sequence[tuple[str, int, Callable[[], int]]]) -> Iterator[None]:
         """Progress of work running meanwhile: per track its label, total and a function
         returning how much is done (polled from a thread)."""
-        stop = threading.Event()
 
         def poll(track: tuple[str, int, Callable[[], int]]) -> int:
             try:
@@ -278,38 +295,28 @@ class Display:
             )
             tasks = [progress.add_task(label, total=total) for label, total, _ in tracks]
 
-            def refresh() -> None:
-                while not stop.wait(0.3):
-                    for task, track in zip(tasks, tracks, strict=True):
-                        progress.update(task, completed=poll(track))
+            def show() -> None:
+                for task, track in zip(tasks, tracks, strict=True):
+                    progress.update(task, completed=poll(track))
 
             with progress:
-                thread = threading.Thread(target=refresh, daemon=True)
-                thread.start()
                 try:
-                    yield
+                    with _every(0.3, show):
+                        yield
                 finally:
-                    stop.set()
-                    thread.join()
-                    for task, track in zip(tasks, tracks, strict=True):
-                        progress.update(task, completed=poll(track))
+                    show()  # the final counts, while the bars are still on screen
             return
 
         def report() -> None:
-            while not stop.wait(5):
-                parts = []
-                for label, total, _ in tracks:
-                    n = poll((label, total, _))
-                    parts.append(f"{label} {n:,}/{total:,} ({100 * n / max(total, 1):.0f}%)")
-                self.line(" · ".join(parts))
+            parts = []
+            for track in tracks:
+                label, total, _ = track
+                n = poll(track)
+                parts.append(f"{label} {n:,}/{total:,} ({100 * n / max(total, 1):.0f}%)")
+            self.line(" · ".join(parts))
 
-        thread = threading.Thread(target=report, daemon=True)
-        thread.start()
-        try:
+        with _every(5, report):
             yield
-        finally:
-            stop.set()
-            thread.join()
 
     def table(
         self, title: str, headers: list[str], rows: list[list[str]], *, text_columns: int = 1
