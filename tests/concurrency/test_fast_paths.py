@@ -648,6 +648,43 @@ def test_complete_and_dequeue_refusal_changes_nothing(
     assert queue.complete_and_dequeue([held], lock_ms=LOCK_MS).completed == [AckStatus.OK]
 
 
+def test_complete_and_dequeue_one_id_reports_stale_and_not_found(queue: Queue) -> None:
+    # One id takes a direct path (0010): the same statuses as a batch.
+    queue.create(b"first", channel="a")
+    stale = queue.dequeue(lock_ms=1_000)
+    assert stale is not None
+    queue.set_clock_offset(2_000)
+    fresh = queue.dequeue(lock_ms=LOCK_MS)
+    assert fresh is not None
+    assert fresh.id == stale.id
+    batch = queue.complete_and_dequeue([stale], lock_ms=LOCK_MS)
+    assert (batch.completed, batch.messages) == ([AckStatus.STALE], [])
+    fresh.delete()
+    batch = queue.complete_and_dequeue([fresh], lock_ms=LOCK_MS)
+    assert (batch.completed, batch.messages) == ([AckStatus.NOT_FOUND], [])
+
+
+@pytest.mark.parametrize(
+    ("ids", "num_attempts"),
+    [([None], [1]), ([1], [None]), ([1], [0]), (None, [1]), ([1], None), ([1], [1, 1])],
+    ids=["null_id", "null_attempts", "zero_attempts", "null_ids", "null_list", "unequal"],
+)
+def test_complete_and_dequeue_refuses_bad_claims_in_sql(
+    queue: Queue, admin: Conn, ids: list[int | None] | None, num_attempts: list[int | None] | None
+) -> None:
+    queue.create(b"waiting", channel="c")
+    with pytest.raises(InvalidArgumentError):
+        queue._fetch(
+            "message_complete_and_dequeue",
+            {"ids": ids, "num_attempts": num_attempts, "limit": 1, "lock_ms": LOCK_MS},
+            None,
+        )
+    row = admin.execute(
+        _q(queue.schema, "SELECT is_locked, num_attempts FROM {}.message")
+    ).fetchall()
+    assert row == [(False, 0)]
+
+
 def test_complete_and_dequeue_says_when_to_retry(queue: Queue) -> None:
     now = queue.now()
     queue.create(b"now", channel="c")
