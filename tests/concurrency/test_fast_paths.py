@@ -180,6 +180,53 @@ def test_second_session_rides_along_while_the_row_is_held(
     assert queue.dequeue(lock_ms=LOCK_MS) is None
 
 
+def test_ride_along_moves_on_when_a_busy_channels_heads_are_taken(dsn: str, queue: Queue) -> None:
+    """Every due channel's row is held elsewhere, and the first one's only head too: a dequeue
+    takes the next busy channel's head instead of answering "nothing" (0011)."""
+    now = queue.now()
+    first = queue.create(b"a", channel="a", dequeue_at=now - 1_000).id  # "a" comes first
+    second = queue.create(b"b", channel="b").id
+    with _session(dsn) as holder:
+        holder.execute(
+            _q(queue.schema, "SELECT FROM {}.channel WHERE name IN ('a', 'b') FOR UPDATE")
+        )
+        holder.execute(_q(queue.schema, "SELECT FROM {}.message WHERE id = %s FOR UPDATE"), [first])
+        got = queue.dequeue(lock_ms=LOCK_MS)
+        assert got is not None
+        assert got.id == second
+        holder.rollback()
+    left = queue.dequeue(lock_ms=LOCK_MS)
+    assert left is not None
+    assert left.id == first
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["create", "create_many"])
+def test_create_leaves_a_due_channel_row_held_by_a_dequeue_alone(
+    dsn: str, queue: Queue, admin: Conn, batch: bool
+) -> None:
+    """A dequeue served the channel a moment after the producer's transaction began, so the
+    row says later than the producer's message but is due: the producer does not wait for the
+    row (0011)."""
+    queue.create(b"first", channel="a")
+    with _session(dsn) as producer, _session(dsn) as holder:
+        started = queue.now(conn=producer)  # the producer's transaction clock from here on
+        time.sleep(0.2)
+        admin.execute(
+            _q(queue.schema, "UPDATE {}.channel SET next_dequeue_at = %s WHERE name = 'a'"),
+            [started + 100],
+        )
+        holder.execute(_q(queue.schema, "SELECT FROM {}.channel WHERE name = 'a' FOR UPDATE"))
+        producer.execute("SET LOCAL lock_timeout = '2s'")
+        if batch:
+            queue.create_many([NewMessage(b"second", channel="a")], conn=producer)
+        else:
+            queue.create(b"second", channel="a", conn=producer)
+        producer.commit()
+        holder.rollback()
+    assert [m.content for m in queue.dequeue_many(10, lock_ms=LOCK_MS)] == [b"first", b"second"]
+    assert queue.verify() == []
+
+
 def test_ride_along_leaves_a_channel_whose_policy_is_being_set(dsn: str, queue: Queue) -> None:
     """While a policy is being set (it waits for the channel's row, held by A), B does not take
     messages behind its back: the policy counts the channel exactly once it is in place."""
