@@ -36,6 +36,8 @@ from .types import (
     DequeueBatch,
     Discrepancy,
     NewMessage,
+    RoleGrant,
+    RoleKind,
     Settings,
 )
 
@@ -622,6 +624,31 @@ class AsyncQueue:
         params = {"offset_ms": _core.check_time("offset_ms", offset_ms)}
         rows = await self._fetch("clock_offset_set", params, conn)
         return int(rows[0][0])
+
+    # -- least privilege -----------------------------------------------------------------
+
+    async def grant(
+        self, role: str, kind: RoleKind | str, *, conn: AsyncConnection[Any] | None = None
+    ) -> int:
+        """Let the PostgreSQL role ``role`` do what a ``kind`` needs (``"producer"``,
+        ``"worker"`` or ``"admin"``; see :class:`~lonnymq.types.RoleKind`) on this queue, and
+        nothing more: any kind it had is replaced. Run it as the role that installed the queue.
+        Returns how many of the queue's functions the role may now call. Refused with
+        :class:`~lonnymq.errors.InvalidArgumentError` for an unknown kind, or a role that does
+        not exist, is a superuser or owns the queue."""
+        params = {"role": _core.check_role(role), "kind": _core.check_role_kind(kind).value}
+        rows = await self._fetch("role_grant", params, conn)
+        return int(rows[0][0])
+
+    async def revoke(self, role: str, *, conn: AsyncConnection[Any] | None = None) -> bool:
+        """Take every right on this queue from ``role``; returns whether it had a kind."""
+        rows = await self._fetch("role_revoke", {"role": _core.check_role(role)}, conn)
+        return bool(rows[0][0])
+
+    async def grants(self, *, conn: AsyncConnection[Any] | None = None) -> list[RoleGrant]:
+        """The roles granted a kind on this queue, by name."""
+        rows = await self._fetch("role_list", {}, conn)
+        return [RoleGrant(role=r, kind=RoleKind(k), granted_at=at) for r, k, at in rows]
 
     # -- schedules -----------------------------------------------------------------------
 
