@@ -5,11 +5,13 @@ LOGIN roles with unique names and drops them afterwards, failed or not."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -387,3 +389,46 @@ def test_cli_grant_grants_and_revoke(dsn: str, queue: Queue, make_role: Callable
     revoked = _cli(dsn, "--schema", queue.schema, "revoke", role)
     assert revoked.returncode == 0, revoked.stderr
     assert queue.grants() == []
+
+
+# -- the README ----------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_section() -> str:
+    text = README.read_text("utf-8")
+    return text.split("## Security / least privilege", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_example_runs(
+    dsn: str,
+    schema_name: str,
+    make_role: Callable[..., str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    [code] = re.findall(r"```python\n(.*?)```", _readme_section(), flags=re.DOTALL)
+    code = code.replace('schema="shop"', f'schema="{schema_name}"')
+    roles = {name: make_role() for name in ("shop_api", "shop_worker", "shop_ops")}
+    for name, role in roles.items():
+        code = code.replace(f'"{name}"', f'"{role}"')
+    monkeypatch.setenv("LONNYMQ_DSN", dsn)
+    exec(compile(code, "README.md", "exec"), {})
+    with Queue(dsn, schema=schema_name) as queue:
+        assert sorted((g.role, g.kind.value) for g in queue.grants()) == sorted(
+            [(roles["shop_api"], "producer"), (roles["shop_worker"], "worker")]
+        )
+
+
+def test_readme_role_table_is_the_database_s(queue: Queue, admin: Conn) -> None:
+    rows = re.findall(r"^\| (producer|worker|admin) \|.*\| (.*) \|$", _readme_section(), re.M)
+    assert [kind for kind, _ in rows] == ["producer", "worker", "admin"]
+    documented: set[str] = set()
+    for kind, functions in rows:
+        documented |= set(re.findall(r"`(\w+)`", functions.split(";")[0]))
+        listed = admin.execute(
+            sql.SQL("SELECT {}.role_kind_functions(%s)").format(sql.Identifier(queue.schema)),
+            [kind],
+        ).fetchone()
+        assert listed is not None
+        assert documented == set(listed[0]), kind

@@ -44,19 +44,21 @@ AS $$
               'spark_write_result', 'spark_sink_prune']
         || CASE WHEN p_kind IN ('worker', 'admin') THEN
             -- worker: take messages and finish, defer or extend them; channel_stats for
-            -- Worker(until_idle) and its metrics; a Spark streaming read consumes too.
+            -- Worker(until_idle) and its metrics; a Spark streaming read consumes too (and
+            -- reads the largest message id, its horizon, with spark_scan_bounds).
             ARRAY['message_dequeue', 'message_dequeue_many', 'message_complete_and_dequeue',
                   'message_heartbeat', 'message_heartbeat_many', 'message_delete',
                   'message_delete_many', 'message_defer', 'message_defer_many', 'channel_stats',
                   'spark_consumer_lock', 'spark_batch_plan', 'spark_batch_ack',
-                  'spark_batch_release', 'spark_batch_heartbeat', 'spark_batch_read']
+                  'spark_batch_release', 'spark_batch_heartbeat', 'spark_batch_read',
+                  'spark_scan_bounds']
         ELSE ARRAY[]::TEXT[] END
         || CASE WHEN p_kind = 'admin' THEN
             -- admin: policies, settings, schedules, the archive, checks, raw scans, the clock.
             ARRAY['channel_policy_set', 'channel_policy_clear', 'config_set', 'clock_offset_set',
                   'queue_verify', 'schedule_set', 'schedule_list', 'schedule_remove',
-                  'archive_list', 'archive_replay', 'spark_stage_purge', 'spark_scan_bounds',
-                  'spark_message_scan', 'spark_archive_scan']
+                  'archive_list', 'archive_replay', 'spark_stage_purge', 'spark_message_scan',
+                  'spark_archive_scan']
         ELSE ARRAY[]::TEXT[] END
     END
 $$;
