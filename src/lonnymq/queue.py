@@ -26,7 +26,7 @@ from . import events as _events
 from . import schedule as _schedule
 from .archive import ArchivedMessage, ReplayResult
 from .embedded import embedded_dsn, resolve_dsn
-from .errors import InvalidArgumentError, SchemaVersionError, translate
+from .errors import InvalidArgumentError, PermissionDeniedError, SchemaVersionError, translate
 from .events import Event, MessageOutcome
 from .metrics import OperationStats, Recorder
 from .schedule import Firing, Schedule, ScheduleSpec
@@ -318,6 +318,17 @@ class Queue:
         ok = False
         try:
             with conn.transaction():
+                cursor = conn.execute(migrate.may_create_statement(), {"schema": self._schema})
+                row = cursor.fetchone()
+                if row is not None and row[0] is False:
+                    current = self._installed_version(conn)
+                    if self._event_channel is not None or archive is not None:
+                        conn.execute(
+                            self._sql["config_set"],
+                            {"event_channel": self._event_channel, "archive": archive},
+                        )
+                    ok = True
+                    return current
                 conn.execute(migrate.lock_statement(), {"schema": self._schema})
                 for statement in migrate.prepare_statements(self._schema):
                     conn.execute(statement)
@@ -348,6 +359,30 @@ class Queue:
             raise translate(err, schema=self._schema) from err
         finally:
             self._recorder.record("install", perf_counter() - started, ok=ok)
+
+    def _installed_version(self, conn: Connection[Any]) -> int:
+        """install() for a role that may not change the schema: it succeeds when there is
+        nothing to do."""
+        latest = migrate.latest_version()
+        try:
+            cursor = conn.execute(self._sql["schema_version"])
+            row = cursor.fetchone()
+            current = int(row[0]) if row is not None else 0
+        except psycopg.errors.UndefinedFunction:
+            current = -1  # a schema from before 0010, or one without a queue
+        if current > latest:
+            raise SchemaVersionError(
+                f"schema {self._schema!r} is at version {current}, newer than this lonnymq "
+                f"knows ({latest}): upgrade the lonnymq package"
+            )
+        if current < latest:
+            raise PermissionDeniedError(
+                f"schema {self._schema!r} needs migrations up to version {latest} and this "
+                f"role may not change it: run install() (or `lonnymq install`) as the role "
+                f"that owns the queue",
+                "42501",
+            )
+        return current
 
     def settings(self, *, conn: Connection[Any] | None = None) -> Settings:
         """The installation's settings (event channel, archive)."""

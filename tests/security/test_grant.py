@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from lonnymq import NewMessage, Queue, RoleKind
+from lonnymq import NewMessage, Queue, RoleKind, migrate
 from lonnymq.errors import InvalidArgumentError, PermissionDeniedError
 from lonnymq.worker import Worker
 
@@ -432,3 +432,21 @@ def test_readme_role_table_is_the_database_s(queue: Queue, admin: Conn) -> None:
         ).fetchone()
         assert listed is not None
         assert documented == set(listed[0]), kind
+
+
+def test_install_as_a_granted_role_succeeds_when_there_is_nothing_to_do(
+    queue: Queue, admin: Conn, make_role: Callable[..., str], connect_as: Any
+) -> None:
+    role = _granted(make_role, queue, "producer")
+    as_producer = connect_as("queue")(role, queue.schema)
+    assert as_producer.install() == migrate.latest_version()
+    nobody = connect_as("queue")(make_role(), queue.schema)
+    _denied(nobody.install)
+    # A schema behind this package's version: only its owner may migrate it.
+    admin.execute(
+        sql.SQL("DELETE FROM {}.migration WHERE version = %s").format(sql.Identifier(queue.schema)),
+        [migrate.latest_version()],
+    )
+    with pytest.raises(PermissionDeniedError, match="as the role that owns the queue"):
+        as_producer.install()
+    assert queue.stats() == []  # the refusal changed nothing

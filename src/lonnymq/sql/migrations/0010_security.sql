@@ -30,6 +30,17 @@ CREATE TABLE role_grant (
 );
 
 
+-- schema_version(): the latest migration applied to this schema. A role granted a kind has no
+-- right on the migration table (nor CREATE on the schema): install() asks this instead, so
+-- that an application that installs at every start still starts when it runs as such a role.
+CREATE FUNCTION schema_version() RETURNS INTEGER
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT coalesce(max(m.version), 0) FROM migration m
+$$;
+
+
 -- role_kind_functions(): the functions a role of kind p_kind may execute; NULL for an unknown
 -- kind. The Spark writer's staging COPY also needs INSERT on spark_stage (see role_apply).
 CREATE FUNCTION role_kind_functions(p_kind TEXT) RETURNS TEXT[]
@@ -37,9 +48,9 @@ LANGUAGE sql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
     SELECT CASE WHEN p_kind IN ('producer', 'worker', 'admin') THEN
-        -- producer: create (one, many, or through a Spark write), read the clock and settings,
-        -- and follow a message to its outcome (message_status, Queue.wait).
-        ARRAY['epoch', 'config_get', 'message_create', 'message_create_many', 'message_status',
+        -- producer: see that the schema is installed, create (one, many, or through a Spark
+        -- write), read the clock and settings, follow a message to its outcome (Queue.wait).
+        ARRAY['schema_version', 'epoch', 'config_get', 'message_create', 'message_create_many', 'message_status',
               'spark_stage_record', 'spark_stage_clear', 'spark_write_commit',
               'spark_write_result', 'spark_sink_prune']
         || CASE WHEN p_kind IN ('worker', 'admin') THEN
