@@ -50,8 +50,8 @@ AS $$
     SELECT CASE WHEN p_kind IN ('producer', 'worker', 'admin') THEN
         -- producer: see that the schema is installed, create (one, many, or through a Spark
         -- write), read the clock and settings, follow a message to its outcome (Queue.wait).
-        ARRAY['schema_version', 'epoch', 'config_get', 'message_create', 'message_create_many', 'message_status',
-              'spark_stage_record', 'spark_stage_clear', 'spark_write_commit',
+        ARRAY['schema_version', 'epoch', 'config_get', 'message_create', 'message_create_many',
+              'message_status', 'spark_stage_record', 'spark_stage_clear', 'spark_write_commit',
               'spark_write_result', 'spark_sink_prune']
         || CASE WHEN p_kind IN ('worker', 'admin') THEN
             -- worker: take messages and finish, defer or extend them; channel_stats for
