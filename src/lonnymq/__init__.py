@@ -12,6 +12,7 @@ from .errors import (
     InvalidArgumentError,
     LonnyMQError,
     MessageNotFoundError,
+    PermissionDeniedError,
     StaleMessageError,
 )
 from .events import Event, MessageOutcome
@@ -28,6 +29,8 @@ from .types import (
     Discrepancy,
     NewMessage,
     Policy,
+    RoleGrant,
+    RoleKind,
     Settings,
 )
 
@@ -54,9 +57,12 @@ __all__ = [
     "MessageOutcome",
     "NewMessage",
     "OperationStats",
+    "PermissionDeniedError",
     "Policy",
     "Queue",
     "ReplayResult",
+    "RoleGrant",
+    "RoleKind",
     "Schedule",
     "Settings",
     "StaleMessageError",

@@ -25,6 +25,7 @@ from .types import (
     Discrepancy,
     NewMessage,
     Policy,
+    RoleKind,
 )
 
 DEFAULT_CHANNEL = "default"
@@ -242,6 +243,25 @@ def check_event_channel(value: object) -> str | None:
     ):
         raise InvalidArgumentError(f"event_channel must be 1 to 63 characters, got {value!r}")
     return value
+
+
+def check_role(role: object) -> str:
+    """A PostgreSQL role name: 1 to 63 characters, any of them (it is quoted, never spliced)."""
+    if not isinstance(role, str) or not 1 <= len(role) <= 63:
+        raise InvalidArgumentError(f"role must be a role name of 1 to 63 characters, got {role!r}")
+    if "\x00" in role or not _encodable(role):
+        raise InvalidArgumentError("role name must be valid Unicode text without NUL characters")
+    return role
+
+
+def check_role_kind(kind: object) -> RoleKind:
+    kinds = ", ".join(k.value for k in RoleKind)
+    if not isinstance(kind, str):
+        raise InvalidArgumentError(f"kind must be one of {kinds}, got {kind!r}")
+    try:
+        return RoleKind(kind)
+    except ValueError:
+        raise InvalidArgumentError(f"kind must be one of {kinds}, got {kind!r}") from None
 
 
 # -- statements --------------------------------------------------------------------------

@@ -119,6 +119,16 @@ def _parser() -> argparse.ArgumentParser:
     policy_show.add_argument("channel", nargs="?")
     policy_show.add_argument("--json", action="store_true", help="print JSON lines")
 
+    grant = commands.add_parser(
+        "grant", help="let a PostgreSQL role do what a producer, worker or admin needs"
+    )
+    grant.add_argument("role", help="an existing PostgreSQL role")
+    grant.add_argument("kind", choices=["producer", "worker", "admin"])
+    revoke = commands.add_parser("revoke", help="take every right on the queue from a role")
+    revoke.add_argument("role", help="an existing PostgreSQL role")
+    grants = commands.add_parser("grants", help="list the roles granted a kind")
+    grants.add_argument("--json", action="store_true", help="print JSON lines")
+
     worker = commands.add_parser("worker", help="run MODULE:FUNCTION on every message")
     worker.add_argument("handler", help="the handler, as module.path:function")
     _option(worker, "concurrency", "handlers running at once", type=int, default=4)
@@ -403,6 +413,34 @@ def _policy(q: Queue, args: argparse.Namespace) -> int:
     return 0
 
 
+def _grant(q: Queue, args: argparse.Namespace) -> int:
+    count = q.grant(args.role, args.kind)
+    print(f"role {args.role!r} is a {args.kind} of schema {args.schema!r} ({count} functions)")
+    return 0
+
+
+def _revoke(q: Queue, args: argparse.Namespace) -> int:
+    had = q.revoke(args.role)
+    print(
+        f"role {args.role!r} has no rights on schema {args.schema!r}"
+        + ("" if had else " (it had no kind)")
+    )
+    return 0
+
+
+def _grants(q: Queue, args: argparse.Namespace) -> int:
+    grants = q.grants()
+    if args.json:
+        for g in grants:
+            print(json.dumps({"role": g.role, "kind": g.kind.value, "granted_at": g.granted_at}))
+        return 0
+    _table(
+        ["role", "kind", "granted at"],
+        [[g.role, g.kind.value, _when(g.granted_at)] for g in grants],
+    )
+    return 0
+
+
 def _worker(q: Queue, args: argparse.Namespace) -> int:
 
     module_name, _, function_name = args.handler.partition(":")
@@ -663,6 +701,9 @@ COMMANDS: dict[str, Callable[[Queue, argparse.Namespace], int]] = {
     "verify": _verify,
     "create": _create,
     "policy": _policy,
+    "grant": _grant,
+    "revoke": _revoke,
+    "grants": _grants,
     "worker": _worker,
     "top": _top,
     "schedule": _schedule,

@@ -15,7 +15,8 @@ Every error is a :class:`LonnyMQError`; refusals by the queue carry their own SQ
     │   ├── SchemaNotInstalledError
     │   └── SchemaVersionError
     ├── DatabaseError                                any other database error
-    │   └── DatabaseUnavailableError                 connection failed or lost
+    │   ├── DatabaseUnavailableError                 connection failed or lost
+    │   └── PermissionDeniedError                    42501: the role may not do this
     └── EmbeddedServerError
 
 A refusal changes nothing: the queue is as it was before the call.
@@ -36,6 +37,7 @@ __all__ = [
     "MessageError",
     "MessageNotFoundError",
     "PayloadTooLargeError",
+    "PermissionDeniedError",
     "SchemaError",
     "SchemaNotInstalledError",
     "SchemaVersionError",
@@ -115,6 +117,11 @@ class DatabaseUnavailableError(DatabaseError):
     """The connection to PostgreSQL failed or was lost; the operation may be retried."""
 
 
+class PermissionDeniedError(DatabaseError):
+    """The connected role may not do this: the queue's owner grants a role the operations of
+    one kind with ``Queue.grant(role, "producer" | "worker" | "admin")``. Nothing was changed."""
+
+
 class EmbeddedServerError(LonnyMQError):
     """The embedded PostgreSQL server could not be started."""
 
@@ -131,6 +138,9 @@ _BY_SQLSTATE: dict[str, type[LonnyMQError]] = {
     )
     if cls.sqlstate is not None
 }
+
+# insufficient_privilege: the role lacks a grant (or tried to reach a table directly).
+_PERMISSION_DENIED = "42501"
 
 # Missing schema, table or function: the queue was never installed here.
 _NOT_INSTALLED = {"3F000", "42P01", "42883"}
@@ -151,6 +161,13 @@ def translate(err: psycopg.Error, *, schema: str | None = None) -> LonnyMQError:
         where = f"schema {schema!r}" if schema is not None else "this schema"
         return SchemaNotInstalledError(
             f"lonnymq is not installed in {where} ({message}); call install() first"
+        )
+    if sqlstate == _PERMISSION_DENIED:
+        return PermissionDeniedError(
+            f"{message}: the role connected to the queue may not do this. The queue's owner "
+            f"grants a role what a producer, worker or admin needs with "
+            f"queue.grant(role, kind) or `lonnymq grant ROLE KIND`",
+            sqlstate,
         )
     if isinstance(err, psycopg.OperationalError) and sqlstate is None:
         return DatabaseUnavailableError(message)

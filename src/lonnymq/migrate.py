@@ -56,6 +56,14 @@ def lock_statement() -> sql.Composed:
     )
 
 
+def may_create_statement() -> sql.Composed:
+    """Whether the current role may create in the schema: NULL when there is no such schema
+    yet, false for a role granted a kind (it cannot migrate; see 0012_security)."""
+    return sql.SQL(
+        "SELECT has_schema_privilege(n.oid, 'CREATE') FROM pg_namespace n WHERE n.nspname = {}"
+    ).format(sql.Placeholder("schema"))
+
+
 def prepare_statements(schema: str) -> list[sql.Composed]:
     ident = sql.Identifier(schema)
     return [

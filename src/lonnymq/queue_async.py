@@ -25,7 +25,7 @@ from . import events as _events
 from . import schedule as _schedule
 from .archive import ArchivedMessage, ReplayResult
 from .embedded import embedded_dsn, resolve_dsn
-from .errors import InvalidArgumentError, SchemaVersionError, translate
+from .errors import InvalidArgumentError, PermissionDeniedError, SchemaVersionError, translate
 from .events import Event, MessageOutcome
 from .metrics import OperationStats, Recorder
 from .schedule import Firing, Schedule, ScheduleSpec
@@ -36,6 +36,8 @@ from .types import (
     DequeueBatch,
     Discrepancy,
     NewMessage,
+    RoleGrant,
+    RoleKind,
     Settings,
 )
 
@@ -319,6 +321,19 @@ class AsyncQueue:
         ok = False
         try:
             async with conn.transaction():
+                cursor = await conn.execute(
+                    migrate.may_create_statement(), {"schema": self._schema}
+                )
+                row = await cursor.fetchone()
+                if row is not None and row[0] is False:
+                    current = await self._installed_version(conn)
+                    if self._event_channel is not None or archive is not None:
+                        await conn.execute(
+                            self._sql["config_set"],
+                            {"event_channel": self._event_channel, "archive": archive},
+                        )
+                    ok = True
+                    return current
                 await conn.execute(migrate.lock_statement(), {"schema": self._schema})
                 for statement in migrate.prepare_statements(self._schema):
                     await conn.execute(statement)
@@ -349,6 +364,30 @@ class AsyncQueue:
             raise translate(err, schema=self._schema) from err
         finally:
             self._recorder.record("install", perf_counter() - started, ok=ok)
+
+    async def _installed_version(self, conn: AsyncConnection[Any]) -> int:
+        """install() for a role that may not change the schema: it succeeds when there is
+        nothing to do."""
+        latest = migrate.latest_version()
+        try:
+            cursor = await conn.execute(self._sql["schema_version"])
+            row = await cursor.fetchone()
+            current = int(row[0]) if row is not None else 0
+        except psycopg.errors.UndefinedFunction:
+            current = -1  # a schema from before 0012, or one without a queue
+        if current > latest:
+            raise SchemaVersionError(
+                f"schema {self._schema!r} is at version {current}, newer than this lonnymq "
+                f"knows ({latest}): upgrade the lonnymq package"
+            )
+        if current < latest:
+            raise PermissionDeniedError(
+                f"schema {self._schema!r} needs migrations up to version {latest} and this "
+                f"role may not change it: run install() (or `lonnymq install`) as the role "
+                f"that owns the queue",
+                "42501",
+            )
+        return current
 
     async def settings(self, *, conn: AsyncConnection[Any] | None = None) -> Settings:
         """The installation's settings (event channel, archive)."""
@@ -622,6 +661,31 @@ class AsyncQueue:
         params = {"offset_ms": _core.check_time("offset_ms", offset_ms)}
         rows = await self._fetch("clock_offset_set", params, conn)
         return int(rows[0][0])
+
+    # -- least privilege -----------------------------------------------------------------
+
+    async def grant(
+        self, role: str, kind: RoleKind | str, *, conn: AsyncConnection[Any] | None = None
+    ) -> int:
+        """Let the PostgreSQL role ``role`` do what a ``kind`` needs (``"producer"``,
+        ``"worker"`` or ``"admin"``; see :class:`~lonnymq.types.RoleKind`) on this queue, and
+        nothing more: any kind it had is replaced. Run it as the role that installed the queue.
+        Returns how many of the queue's functions the role may now call. Refused with
+        :class:`~lonnymq.errors.InvalidArgumentError` for an unknown kind, or a role that does
+        not exist, is a superuser or owns the queue."""
+        params = {"role": _core.check_role(role), "kind": _core.check_role_kind(kind).value}
+        rows = await self._fetch("role_grant", params, conn)
+        return int(rows[0][0])
+
+    async def revoke(self, role: str, *, conn: AsyncConnection[Any] | None = None) -> bool:
+        """Take every right on this queue from ``role``; returns whether it had a kind."""
+        rows = await self._fetch("role_revoke", {"role": _core.check_role(role)}, conn)
+        return bool(rows[0][0])
+
+    async def grants(self, *, conn: AsyncConnection[Any] | None = None) -> list[RoleGrant]:
+        """The roles granted a kind on this queue, by name."""
+        rows = await self._fetch("role_list", {}, conn)
+        return [RoleGrant(role=r, kind=RoleKind(k), granted_at=at) for r, k, at in rows]
 
     # -- schedules -----------------------------------------------------------------------
 

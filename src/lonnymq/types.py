@@ -15,6 +15,8 @@ __all__ = [
     "Discrepancy",
     "NewMessage",
     "Policy",
+    "RoleGrant",
+    "RoleKind",
     "Settings",
 ]
 
@@ -40,6 +42,27 @@ class AckStatus(StrEnum):
     """The lock was lost (see :class:`~lonnymq.errors.StaleMessageError`); nothing changed."""
     NOT_FOUND = "not_found"
     """The message no longer exists."""
+
+
+class RoleKind(StrEnum):
+    """What a PostgreSQL role granted with ``grant`` may do; each kind can do what the one
+    before it can."""
+
+    PRODUCER = "producer"
+    """Create messages (also through a Spark write) and follow them to their outcome."""
+    WORKER = "worker"
+    """Also dequeue, heartbeat, defer, delete and fail messages; what a ``Worker`` needs."""
+    ADMIN = "admin"
+    """Also policies, settings, schedules, the archive, ``verify`` and the clock."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoleGrant:
+    """A role granted a kind on a queue (``grants()``); ``granted_at`` in ms, queue clock."""
+
+    role: str
+    kind: RoleKind
+    granted_at: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,6 +107,43 @@ def test_every_function_pins_its_search_path(queue: Queue, admin: Conn) -> None:
         assert parts[-1] == "pg_temp", f"{name}: {paths[0]}"
 
 
+def test_every_function_runs_as_its_owner_for_no_one_else(queue: Queue, admin: Conn) -> None:
+    # Each migration that adds or replaces functions must end with secure_functions(): this
+    # fails when one forgets (CREATE OR REPLACE resets SECURITY DEFINER and the SET clause).
+    rows = admin.execute(
+        "SELECT p.proname, p.prosecdef, p.proconfig,"
+        " EXISTS (SELECT FROM aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a"
+        "         WHERE a.grantee = 0)"
+        " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+        [queue.schema],
+    ).fetchall()
+    assert len(rows) >= 20
+    pinned = f"search_path={queue.schema}, pg_catalog, pg_temp"
+    for name, definer, config, public in rows:
+        assert not public, f"PUBLIC may execute function {name}"
+        if name in INLINED:
+            continue
+        assert definer, f"function {name} is not SECURITY DEFINER"
+        paths = [c for c in config or [] if c.startswith("search_path=")]
+        assert paths == [pinned], f"function {name}: {config}"
+        assert not public, f"PUBLIC may execute function {name}"
+    public_relations = admin.execute(
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace,"
+        " aclexplode(coalesce(c.relacl, acldefault("
+        "   CASE WHEN c.relkind = 'S' THEN 's' ELSE 'r' END::\"char\", c.relowner))) a"
+        " WHERE n.nspname = %s AND a.grantee = 0",
+        [queue.schema],
+    ).fetchall()
+    assert public_relations == []
+    public_schema = admin.execute(
+        "SELECT a.privilege_type FROM pg_namespace n,"
+        " aclexplode(coalesce(n.nspacl, acldefault('n', n.nspowner))) a"
+        " WHERE n.nspname = %s AND a.grantee = 0",
+        [queue.schema],
+    ).fetchall()
+    assert ("CREATE",) not in public_schema
+
+
 # -- the generated sync API --------------------------------------------------------------
 
 

@@ -120,3 +120,15 @@ FROM {schema}.archive_list(
 
 -- name: archive_replay
 SELECT archive_id, status, id FROM {schema}.archive_replay(p_ids => %(ids)s::bigint[])
+
+-- name: schema_version
+SELECT {schema}.schema_version()
+
+-- name: role_grant
+SELECT {schema}.role_grant(p_role => %(role)s::text, p_kind => %(kind)s::text)
+
+-- name: role_revoke
+SELECT {schema}.role_revoke(p_role => %(role)s::text)
+
+-- name: role_list
+SELECT role_name, kind, granted_at FROM {schema}.role_list()
