@@ -5,6 +5,9 @@ PostgreSQL, under the same conditions.
     python benchmarks/long_txn.py [--dsn DSN] [--hold 180] [--baseline 60] [--after 60]
                                   [--window 10] [--clients 4] [--out DIR] [--quick]
 
+Without ``--dsn`` it uses ``$LONNYMQ_DSN``, else starts the embedded PostgreSQL (autovacuum on)
+and stops it at the end.
+
 Both queues run the same steady load, driven by pgbench (the scripts of ``lonnymq bench``):
 ``--clients`` producers and as many consumers, one message per call; lonnymq's consumers are
 durable (each ``complete_and_dequeue`` finishes the message the previous call locked and locks
@@ -22,10 +25,11 @@ Each window records messages consumed per second (messages created, from the id 
 minus the growth of the backlog: raw deletes, lonnymq finishes), dequeue latency p50/p99
 (pgbench's per-transaction log of the consumers), dead tuples (``pgstattuple``'s count, and
 the statistics' ``n_dead_tup``), table and index sizes and the age of the oldest snapshot in
-the database. Prints a table per phase with hold/baseline and lonnymq/raw ratios; writes
-``long_txn.json`` and ``long_txn.png`` to ``--out`` (default ``benchmarks/results``). The
-schemas are dropped at the end; ``pgstattuple`` is created in the raw queue's schema when the
-database does not have it yet (and so dropped with it).
+the database, and the pages (buffers) that the first index probe of a dequeue touches
+(``EXPLAIN (ANALYZE, BUFFERS)``, no locks taken). Prints a table per phase with hold/baseline
+and lonnymq/raw ratios; writes ``long_txn.json`` and ``long_txn.png`` to ``--out`` (default
+``benchmarks/results``). The schemas are dropped at the end; ``pgstattuple`` is created in the
+raw queue's schema when the database does not have it yet (and so dropped with it).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from psycopg import sql
 
 from lonnymq import Queue
 from lonnymq.bench import RAW_DDL, SCRIPTS, pgbench_path
+from lonnymq.embedded import resolve_dsn
 
 CHANNELS = 100
 LOCK_MS = 60_000
@@ -225,6 +230,41 @@ class LongTxnBench:
         out[main_table]["created"] = int(created[0])
         return out
 
+    def _probes(self, conn: psycopg.Connection[Any], kind: str) -> dict[str, Any]:
+        """Pages read and time of the index probe each dequeue starts with (EXPLAIN ANALYZE,
+        without taking locks): the dead entries a dequeue wades through show up here."""
+        if kind == "raw":
+            probes = {
+                "head": sql.SQL("SELECT id FROM {} ORDER BY id LIMIT 1").format(
+                    sql.Identifier(self.raw_schema, "raw_queue")
+                )
+            }
+        else:
+            probes = {
+                "ready_channel": sql.SQL(
+                    "SELECT name FROM {} WHERE next_dequeue_at IS NOT NULL AND "
+                    "(max_concurrency IS NULL OR current_concurrency < max_concurrency) "
+                    "ORDER BY next_dequeue_at, turn LIMIT 1"
+                ).format(sql.Identifier(self.schema, "channel")),
+                "channel_head": sql.SQL(
+                    "SELECT id FROM {} WHERE channel = 'c1' AND NOT is_locked "
+                    "ORDER BY dequeue_at, id LIMIT 1"
+                ).format(sql.Identifier(self.schema, "message")),
+            }
+        out: dict[str, Any] = {}
+        for name, query in probes.items():
+            row = conn.execute(
+                sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}").format(query)
+            ).fetchone()
+            assert row is not None
+            plan = row[0][0]
+            top = plan["Plan"]
+            out[name] = {
+                "pages": top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0),
+                "ms": plan.get("Execution Time"),
+            }
+        return out
+
     def _oldest_xmin_age(self, conn: psycopg.Connection[Any]) -> int | None:
         row = conn.execute(
             "SELECT max(age(backend_xmin)) FROM pg_stat_activity "
@@ -279,6 +319,7 @@ class LongTxnBench:
             self._wait_gone(conn, tag)
             after = self._stats(conn, kind)
             xmin_age = self._oldest_xmin_age(conn)
+            probes = self._probes(conn, kind)
         main = self.tables[kind][0][1]
         produced = after[main]["created"] - before[main]["created"]
         consumed = produced - (after[main]["live_tuples"] - before[main]["live_tuples"])
@@ -295,15 +336,17 @@ class LongTxnBench:
             "msgs_per_s": consumed / seconds,
             "latencies_ms": latencies,
             "oldest_xmin_age": xmin_age,
+            "probes": probes,
             "tables": after,
         }
         self.windows.append(record)
         dead = sum(t["dead_tuples"] for t in after.values())
         lat = _percentiles(latencies)
+        pages = "/".join(str(p["pages"]) for p in probes.values())
         self.log(
             f"  {record['t']:7.1f}s  {phase:<9} {kind:<8} {record['msgs_per_s']:>9,.0f} msg/s  "
             f"p50 {lat['p50_ms']:8.3f} ms  p99 {lat['p99_ms']:8.3f} ms  dead {dead:>9,}  "
-            f"xmin age {xmin_age if xmin_age is not None else '-'}"
+            f"probe pages {pages:>9}  xmin age {xmin_age if xmin_age is not None else '-'}"
         )
         return record
 
@@ -372,6 +415,13 @@ class LongTxnBench:
         }
         with self._admin() as conn:
             version = conn.execute("SHOW server_version").fetchone()
+            server = dict(
+                conn.execute(
+                    "SELECT name, setting FROM pg_settings WHERE name IN ('autovacuum', "
+                    "'autovacuum_naptime', 'autovacuum_vacuum_cost_delay', "
+                    "'idle_in_transaction_session_timeout')"
+                ).fetchall()
+            )
         return {
             "settings": {
                 "baseline": self.settings.baseline,
@@ -383,6 +433,7 @@ class LongTxnBench:
                 "channels": CHANNELS,
             },
             "server_version": version[0] if version else None,
+            "server_settings": server,
             "events": self.events,
             "windows": [
                 {k: v for k, v in w.items() if k != "latencies_ms"}
@@ -503,7 +554,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--dsn", default=os.environ.get("LONNYMQ_DSN"))
+    parser.add_argument(
+        "--dsn", help="default: $LONNYMQ_DSN, else an embedded server (stopped at the end)"
+    )
     parser.add_argument("--hold", type=float, default=180, help="seconds the snapshot is held")
     parser.add_argument("--baseline", type=float, default=60)
     parser.add_argument("--after", type=float, default=60, help="seconds after, each phase")
@@ -514,8 +567,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     args = parser.parse_args(argv)
-    if not args.dsn:
-        parser.error("--dsn (or LONNYMQ_DSN) is required")
     if args.quick:
         settings = QUICK
     else:
@@ -529,12 +580,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bench = LongTxnBench(args.dsn, settings, args.schema)
+    bench = LongTxnBench(resolve_dsn(args.dsn), settings, args.schema)
     started = time.perf_counter()
     print(
         f"long transaction bench: {settings.clients} producers + {settings.clients} consumers "
         f"per queue, windows of {settings.window:g}s, hold {settings.hold:g}s"
     )
+    with bench._admin() as conn:
+        autovacuum = conn.execute("SHOW autovacuum").fetchone()
+    print(f"autovacuum: {autovacuum[0] if autovacuum else '?'}")
     try:
         report = bench.run()
     finally:

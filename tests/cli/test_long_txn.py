@@ -46,6 +46,9 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
         assert 0 < w["p50_ms"] <= w["p99_ms"], w
         tables = {"raw": {"raw_queue"}, "lonnymq": {"message", "channel"}}[w["queue"]]
         assert set(w["tables"]) == tables
+        probes = {"raw": {"head"}, "lonnymq": {"ready_channel", "channel_head"}}[w["queue"]]
+        assert set(w["probes"]) == probes
+        assert all(p["pages"] >= 1 for p in w["probes"].values()), w["probes"]
         assert all(t["heap_bytes"] > 0 and t["n_dead_tup"] >= 0 for t in w["tables"].values())
     # While held, the snapshot is at least as old as every transaction since it was taken.
     held = [w["oldest_xmin_age"] for w in windows if w["phase"] == "hold"]
