@@ -1,5 +1,6 @@
-"""``benchmarks/long_txn.py --quick`` runs end to end (a smoke test: speed is never judged
-here): every phase ran for both queues, messages moved, and the held snapshot was seen."""
+"""``benchmarks/long_txn.py --quick`` and ``lonnymq bench --long-txn --quick`` run end to end
+(a smoke test: speed is never judged here): every phase ran for both queues, messages moved,
+and the held snapshot was seen."""
 
 from __future__ import annotations
 
@@ -18,11 +19,17 @@ PHASES = ("baseline", "hold", "after", "vacuumed")
 
 
 @pytest.mark.slow
-def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
-    schema = f"t_{uuid.uuid4().hex[:16]}"
+@pytest.mark.parametrize("entry", ["script", "cli"])
+def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) -> None:
+    if entry == "script":
+        schema = f"t_{uuid.uuid4().hex[:16]}"
+        command = [sys.executable, str(SCRIPT), "--quick", "--schema", schema]
+    else:
+        schema = "lonnymq_long_txn"  # what `lonnymq bench --long-txn` uses
+        command = [sys.executable, "-m", "lonnymq.cli", "bench", "--long-txn", "--quick"]
     env = {**os.environ, "LONNYMQ_DSN": dsn}
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--schema", schema],
+        [*command, "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -79,3 +86,42 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
             (schema, f"{schema}_raw"),
         ).fetchone()
     assert left == (0,)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--long-txn", "--hold", "0"], "hold must be a positive number of seconds, got 0.0"),
+        (["--long-txn", "--spark-only"], "--long-txn and --spark-only are separate runs"),
+    ],
+)
+def test_bench_long_txn_refuses_bad_options(
+    dsn: str, tmp_path: Path, args: list[str], message: str
+) -> None:
+    env = {**os.environ, "LONNYMQ_DSN": dsn}
+    result = subprocess.run(
+        [sys.executable, "-m", "lonnymq.cli", "bench", *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "long_txn.json").exists()
+
+
+def test_script_refuses_bad_durations(dsn: str, tmp_path: Path) -> None:
+    env = {**os.environ, "LONNYMQ_DSN": dsn}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--window", "-1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "window must be a positive number of seconds, got -1.0" in result.stderr
+    assert not (tmp_path / "long_txn.json").exists()
