@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from . import migrate
@@ -206,6 +206,18 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("LONNYMQ_BENCH_OUT", "benchmarks/results"),
         help="where bench.json and the plots go (env LONNYMQ_BENCH_OUT)",
     )
+    bench.add_argument(
+        "--long-txn",
+        action="store_true",
+        help="instead: throughput before, while and after another session holds a snapshot "
+        "(long_txn.json, long_txn.png)",
+    )
+    bench.add_argument(
+        "--hold",
+        type=float,
+        default=float(os.environ.get("LONNYMQ_BENCH_HOLD", "180")),
+        help="with --long-txn: seconds the snapshot is held (env LONNYMQ_BENCH_HOLD)",
+    )
 
     demo = commands.add_parser(
         "demo",
@@ -287,6 +299,18 @@ def _run(args: argparse.Namespace) -> int:
         from .bench import run_bench
         from .embedded import resolve_dsn
 
+        if args.long_txn:
+            from . import bench_long_txn
+
+            if args.spark_only:
+                raise InvalidArgumentError("--long-txn and --spark-only are separate runs")
+            settings = (
+                bench_long_txn.QUICK
+                if args.quick
+                else replace(bench_long_txn.DEFAULT, hold=args.hold)
+            )
+            bench_long_txn.run_long_txn(resolve_dsn(args.dsn), settings, out=args.out)
+            return 0
         run_bench(
             resolve_dsn(args.dsn),
             profile="quick" if args.quick else "default",
