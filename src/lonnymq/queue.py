@@ -7,6 +7,7 @@ Derived from ``queue_async.py``; see the header.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -477,7 +478,7 @@ class Queue:
         self, message: Message, *, lock_ms: int, conn: Connection[Any] | None = None
     ) -> int:
         """Extend the lock of a message you hold to now + ``lock_ms``; returns the unlock time."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -488,14 +489,14 @@ class Queue:
 
     def delete(self, message: Message, *, conn: Connection[Any] | None = None) -> None:
         """Finish a message you hold and free its channel slot."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {"id": message_id, "num_attempts": attempts, "outcome": "completed", "error": None}
         self._fetch("message_delete", params, conn)
 
     def fail(self, message: Message, *, error: str, conn: Connection[Any] | None = None) -> None:
         """Finish a message you hold as failed: it leaves the queue (and is archived with
         outcome ``failed`` and ``error`` when the archive is on)."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -514,6 +515,7 @@ class Queue:
     ) -> CreateResult:
         """Move a message you hold to ``channel`` in one transaction: a copy of its content is
         created there and the message is finished as failed with ``error``."""
+        _core.check_message(message)
         target = _core.check_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
@@ -532,7 +534,7 @@ class Queue:
         conn: Connection[Any] | None = None,
     ) -> None:
         """Give back a message you hold; see :meth:`Message.defer`."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -671,7 +673,8 @@ class Queue:
         create the task that is due (at most one, however many firings were missed) and defer
         the driver to the next firing. A driver whose lock was lost raises
         :class:`~lonnymq.errors.StaleMessageError` and fires nothing."""
-        if driver.channel != _schedule.SCHEDULE_CHANNEL:
+        _core.check_message(driver)
+        if getattr(driver, "channel", None) != _schedule.SCHEDULE_CHANNEL:
             raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
         spec = ScheduleSpec.decode(driver.content)
         if conn is None:
@@ -765,10 +768,8 @@ class Queue:
     ) -> list[ArchivedMessage]:
         """Archived messages, newest first: of one ``outcome`` (e.g. ``"failed"``) and
         ``channel`` when given, with ids below ``before_id`` (to page)."""
-        if outcome is not None and (not isinstance(outcome, str) or not 1 <= len(outcome) <= 64):
-            raise InvalidArgumentError(f"outcome must be 1 to 64 characters, got {outcome!r}")
         params = {
-            "outcome": outcome,
+            "outcome": _core.check_outcome(outcome),
             "channel": None if channel is None else _core.check_channel(channel),
             "before_id": None if before_id is None else _core.check_claim(before_id, 1)[0],
             "limit": _core.check_limit(limit),
@@ -795,5 +796,11 @@ class Queue:
 def _check_timeout(timeout: object) -> None:
     if timeout is None:
         return
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
-        raise InvalidArgumentError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 <= timeout < math.inf
+    ):
+        raise InvalidArgumentError(
+            f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}"
+        )

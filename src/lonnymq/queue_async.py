@@ -7,6 +7,7 @@ it, and CI checks that the two agree. Keep the code here in the shapes that scri
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -482,7 +483,7 @@ class AsyncQueue:
         self, message: AsyncMessage, *, lock_ms: int, conn: AsyncConnection[Any] | None = None
     ) -> int:
         """Extend the lock of a message you hold to now + ``lock_ms``; returns the unlock time."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -495,7 +496,7 @@ class AsyncQueue:
         self, message: AsyncMessage, *, conn: AsyncConnection[Any] | None = None
     ) -> None:
         """Finish a message you hold and free its channel slot."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {"id": message_id, "num_attempts": attempts, "outcome": "completed", "error": None}
         await self._fetch("message_delete", params, conn)
 
@@ -504,7 +505,7 @@ class AsyncQueue:
     ) -> None:
         """Finish a message you hold as failed: it leaves the queue (and is archived with
         outcome ``failed`` and ``error`` when the archive is on)."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -523,6 +524,7 @@ class AsyncQueue:
     ) -> CreateResult:
         """Move a message you hold to ``channel`` in one transaction: a copy of its content is
         created there and the message is finished as failed with ``error``."""
+        _core.check_message(message)
         target = _core.check_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
@@ -541,7 +543,7 @@ class AsyncQueue:
         conn: AsyncConnection[Any] | None = None,
     ) -> None:
         """Give back a message you hold; see :meth:`AsyncMessage.defer`."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -684,7 +686,8 @@ class AsyncQueue:
         create the task that is due (at most one, however many firings were missed) and defer
         the driver to the next firing. A driver whose lock was lost raises
         :class:`~lonnymq.errors.StaleMessageError` and fires nothing."""
-        if driver.channel != _schedule.SCHEDULE_CHANNEL:
+        _core.check_message(driver)
+        if getattr(driver, "channel", None) != _schedule.SCHEDULE_CHANNEL:
             raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
         spec = ScheduleSpec.decode(driver.content)
         if conn is None:
@@ -780,10 +783,8 @@ class AsyncQueue:
     ) -> list[ArchivedMessage]:
         """Archived messages, newest first: of one ``outcome`` (e.g. ``"failed"``) and
         ``channel`` when given, with ids below ``before_id`` (to page)."""
-        if outcome is not None and (not isinstance(outcome, str) or not 1 <= len(outcome) <= 64):
-            raise InvalidArgumentError(f"outcome must be 1 to 64 characters, got {outcome!r}")
         params = {
-            "outcome": outcome,
+            "outcome": _core.check_outcome(outcome),
             "channel": None if channel is None else _core.check_channel(channel),
             "before_id": None if before_id is None else _core.check_claim(before_id, 1)[0],
             "limit": _core.check_limit(limit),
@@ -810,5 +811,11 @@ class AsyncQueue:
 def _check_timeout(timeout: object) -> None:
     if timeout is None:
         return
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
-        raise InvalidArgumentError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 <= timeout < math.inf
+    ):
+        raise InvalidArgumentError(
+            f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}"
+        )
