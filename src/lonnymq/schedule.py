@@ -166,10 +166,26 @@ def _to_ms(moment: datetime) -> int:
 
 
 def check_name(name: object) -> str:
-    """A schedule name: 1 to 200 characters of text without NUL."""
-    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME or "\x00" in name:
-        raise InvalidArgumentError(f"schedule name must be 1 to {MAX_NAME} characters: {name!r}")
+    """A schedule name: 1 to 200 characters of valid Unicode text without NUL."""
+    if (
+        not isinstance(name, str)
+        or not 1 <= len(name) <= MAX_NAME
+        or "\x00" in name
+        or not _encodable(name)
+    ):
+        raise InvalidArgumentError(
+            f"schedule name must be 1 to {MAX_NAME} characters of valid Unicode text without "
+            f"NUL: {name!r}"
+        )
     return name
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
