@@ -345,14 +345,26 @@ def _verify(q: Queue, args: argparse.Namespace) -> int:
     return 1 if found else 0
 
 
+def _utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; text that has none (bytes the shell passed that were not UTF-8) is
+    refused rather than sent mangled."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidArgumentError(f"{what} must be valid UTF-8 text: {err.reason}") from err
+
+
 def _contents(args: argparse.Namespace) -> Iterator[bytes]:
     if args.contents:
-        yield from (c.encode() for c in args.contents)
+        yield from (_utf8(c, "message content") for c in args.contents)
         return
-    for line in sys.stdin:
-        text = line.rstrip("\n")
-        if text:
-            yield text.encode()
+    try:
+        for line in sys.stdin:
+            text = line.rstrip("\n")
+            if text:
+                yield _utf8(text, "message content")
+    except UnicodeDecodeError as err:
+        raise InvalidArgumentError(f"standard input must be UTF-8 text: {err.reason}") from err
 
 
 def _create(q: Queue, args: argparse.Namespace) -> int:
@@ -572,7 +584,10 @@ def _top_table(view: list[dict[str, Any]]) -> Any:
 def _schedule(q: Queue, args: argparse.Namespace) -> int:
     if args.schedule_command == "add":
         created = q.schedule(
-            args.name, cron=args.cron, content=args.content.encode(), channel=args.channel
+            args.name,
+            cron=args.cron,
+            content=_utf8(args.content, "--content"),
+            channel=args.channel,
         )
         print(f"schedule {args.name!r} {'created' if created else 'updated'}")
         return 0
