@@ -170,6 +170,9 @@ class World:
             self._query = snapshot_query(self.admin, self.queue.schema)
         return sorted(self.admin.execute(self._query).fetchall())
 
+    def verify_clean(self) -> bool:
+        return self.queue.verify() == []
+
     def attempt(self, call: Callable[[], object]) -> object:
         """Run ``call``: success, or a queue refusal that left every table alone."""
         before = self.snapshot()
@@ -922,3 +925,17 @@ def test_archive_outcome_that_is_not_text_is_refused(world: World, outcome: str)
     # NUL used to reach the driver and come back as a bare DatabaseError.
     with pytest.raises(InvalidArgumentError, match="outcome"):
         world.queue.archived(outcome=outcome)
+
+
+def test_injection_strings_are_stored_as_plain_text(world: World) -> None:
+    queue = world.queue
+    for text in INJECTIONS:
+        if text == "lonnymq.schedules":
+            continue  # the schedules' reserved channel holds their drivers
+        created = queue.create(text.encode(), channel=text, dedup_key=text)
+        assert queue.create(b"again", channel=text, dedup_key=text).id == created.id
+        assert queue.schedule(text, cron="0 3 * * *", content=b"s", channel=text)
+    names = {s.channel for s in queue.stats()}
+    assert set(INJECTIONS) <= names
+    assert set(INJECTIONS) - {"lonnymq.schedules"} <= {s.name for s in queue.schedules()}
+    assert world.verify_clean()
