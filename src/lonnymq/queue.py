@@ -168,6 +168,10 @@ class Queue:
         event_channel: str | None = None,
         pool_size: int = 10,
     ) -> None:
+        if dsn is not None and (not isinstance(dsn, str) or "\x00" in dsn):
+            raise InvalidArgumentError(
+                f"dsn must be None or a connection string without NUL, got {type(dsn).__name__}"
+            )
         self._schema = _core.check_schema(schema)
         self._event_channel = _core.check_event_channel(event_channel)
         if not isinstance(pool_size, int) or pool_size < 1:
@@ -262,6 +266,7 @@ class Queue:
 
     def _fetch(self, name: str, params: dict[str, Any], conn: Connection[Any] | None) -> list[Row]:
         """Run the named statement (on ``conn``, or on a pooled connection) and return rows."""
+        _check_conn(conn)
         started = perf_counter()
         ok = False
         try:
@@ -306,6 +311,7 @@ class Queue:
         """
         if archive is not None and not isinstance(archive, bool):
             raise InvalidArgumentError(f"archive must be a bool, got {archive!r}")
+        _check_conn(conn)
         if conn is not None:
             return self._install_on(conn, archive)
         pool = self._get_pool()
@@ -591,6 +597,7 @@ class Queue:
         problem found, by channel (an empty list: consistent). Read-only. On a pooled
         connection it runs in a REPEATABLE READ, READ ONLY transaction; on ``conn`` it reads
         that connection's snapshot. It scans the message table: an operator's check."""
+        _check_conn(conn)
         if conn is not None:
             rows = self._fetch("queue_verify", {}, conn)
             return [_core.discrepancy(row) for row in rows]
@@ -791,6 +798,13 @@ class Queue:
             return []
         rows = self._fetch("archive_replay", {"ids": ids}, conn)
         return [_archive.replay_result(row) for row in rows]
+
+
+def _check_conn(conn: object) -> None:
+    if conn is not None and not isinstance(conn, Connection):
+        raise InvalidArgumentError(
+            f"conn must be None or a psycopg Connection, got {type(conn).__name__}"
+        )
 
 
 def _check_timeout(timeout: object) -> None:

@@ -167,6 +167,10 @@ class AsyncQueue:
         event_channel: str | None = None,
         pool_size: int = 10,
     ) -> None:
+        if dsn is not None and (not isinstance(dsn, str) or "\x00" in dsn):
+            raise InvalidArgumentError(
+                f"dsn must be None or a connection string without NUL, got {type(dsn).__name__}"
+            )
         self._schema = _core.check_schema(schema)
         self._event_channel = _core.check_event_channel(event_channel)
         if not isinstance(pool_size, int) or pool_size < 1:
@@ -263,6 +267,7 @@ class AsyncQueue:
         self, name: str, params: dict[str, Any], conn: AsyncConnection[Any] | None
     ) -> list[Row]:
         """Run the named statement (on ``conn``, or on a pooled connection) and return rows."""
+        _check_conn(conn)
         started = perf_counter()
         ok = False
         try:
@@ -309,6 +314,7 @@ class AsyncQueue:
         """
         if archive is not None and not isinstance(archive, bool):
             raise InvalidArgumentError(f"archive must be a bool, got {archive!r}")
+        _check_conn(conn)
         if conn is not None:
             return await self._install_on(conn, archive)
         pool = await self._get_pool()
@@ -600,6 +606,7 @@ class AsyncQueue:
         problem found, by channel (an empty list: consistent). Read-only. On a pooled
         connection it runs in a REPEATABLE READ, READ ONLY transaction; on ``conn`` it reads
         that connection's snapshot. It scans the message table: an operator's check."""
+        _check_conn(conn)
         if conn is not None:
             rows = await self._fetch("queue_verify", {}, conn)
             return [_core.discrepancy(row) for row in rows]
@@ -806,6 +813,13 @@ class AsyncQueue:
             return []
         rows = await self._fetch("archive_replay", {"ids": ids}, conn)
         return [_archive.replay_result(row) for row in rows]
+
+
+def _check_conn(conn: object) -> None:
+    if conn is not None and not isinstance(conn, AsyncConnection):
+        raise InvalidArgumentError(
+            f"conn must be None or a psycopg AsyncConnection, got {type(conn).__name__}"
+        )
 
 
 def _check_timeout(timeout: object) -> None:
