@@ -399,6 +399,8 @@ def test_fuzz_archive_and_replay(
     pool_size=maybe(st.integers(1, 3), hostile_ints | wrong_types),
     schema=st.one_of(hostile_text, anything),
     timeout=st.one_of(hostile_ints, wrong_types),
+    dsn_value=st.one_of(wrong_types.filter(lambda v: v is not None), st.binary(max_size=4)),
+    conn=st.one_of(wrong_types.filter(lambda v: v is not None), hostile_text),
 )
 def test_fuzz_queue_and_settings(
     world: World,
@@ -409,6 +411,8 @@ def test_fuzz_queue_and_settings(
     pool_size: Any,
     schema: Any,
     timeout: Any,
+    dsn_value: Any,
+    conn: Any,
 ) -> None:
     queue = world.queue
     world.attempt(lambda: queue.set_clock_offset(offset))
@@ -424,6 +428,9 @@ def test_fuzz_queue_and_settings(
             pass
 
     world.attempt(lambda: other_queue(schema))
+    world.attempt(lambda: Queue(dsn_value, schema=queue.schema))  # never connects
+    world.attempt(lambda: queue.create(b"x", conn=conn))
+    world.attempt(lambda: queue.install(conn=conn))
     world.attempt(lambda: other_queue(queue.schema))
     # A finished message: an accepted timeout returns at once.
     world.attempt(lambda: queue.wait(world.held.id + 1, timeout=timeout))
@@ -966,3 +973,41 @@ def test_injection_strings_are_stored_as_plain_text(world: World) -> None:
     assert set(INJECTIONS) <= names
     assert set(INJECTIONS) - {"lonnymq.schedules"} <= {s.name for s in queue.schedules()}
     assert world.verify_clean()
+
+
+def test_conn_that_is_not_a_connection_is_refused(shared_world: World) -> None:
+    # It used to fail inside the call with AttributeError ('str' object has no attribute ...).
+    world = shared_world
+    queue = world.queue
+    before = world.snapshot()
+    for conn in ["x", 5, [], object(), world.admin.cursor()]:
+        for call in (
+            lambda c=conn: queue.create(b"x", conn=c),
+            lambda c=conn: queue.install(conn=c),
+            lambda c=conn: queue.verify(conn=c),
+            lambda c=conn: queue.dequeue(lock_ms=1000, conn=c),
+            lambda c=conn: queue.channel("a").set_policy(max_size=1, conn=c),
+            lambda c=conn: queue.heartbeat(world.held, lock_ms=1000, conn=c),
+        ):
+            with pytest.raises(InvalidArgumentError, match="conn must be"):
+                call()
+    assert world.snapshot() == before
+
+
+def test_async_queue_refuses_a_sync_connection(shared_world: World) -> None:
+    async def main() -> None:
+        async with AsyncQueue(shared_world.queue.dsn, schema=shared_world.queue.schema) as aq:
+            with pytest.raises(InvalidArgumentError, match="AsyncConnection"):
+                await aq.create(b"x", conn=shared_world.admin)  # type: ignore[arg-type]
+
+    before = shared_world.snapshot()
+    asyncio.run(main())
+    assert shared_world.snapshot() == before
+
+
+@pytest.mark.parametrize("dsn_value", [5, b"host=localhost", "\x00", "host=x\x00y", ["a"]])
+def test_dsn_that_is_not_a_connection_string_is_refused(dsn_value: Any) -> None:
+    # A non-str dsn used to be found out only after a 30 s pool timeout; a NUL cut the string.
+    for queue_class in (Queue, AsyncQueue):
+        with pytest.raises(InvalidArgumentError, match="dsn"):
+            queue_class(dsn_value, schema="never_used")
