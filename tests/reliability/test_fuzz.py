@@ -1011,3 +1011,11 @@ def test_dsn_that_is_not_a_connection_string_is_refused(dsn_value: Any) -> None:
     for queue_class in (Queue, AsyncQueue):
         with pytest.raises(InvalidArgumentError, match="dsn"):
             queue_class(dsn_value, schema="never_used")
+
+
+@pytest.mark.parametrize("data_dir", [5, b"/tmp/x", "a\x00b", ["a"]])
+def test_embedded_data_dir_that_is_not_a_path_is_refused(data_dir: Any) -> None:
+    # It used to fail with TypeError or ValueError from pathlib.
+    for queue_class in (Queue, AsyncQueue):
+        with pytest.raises(InvalidArgumentError, match="data_dir"):
+            queue_class.embedded(data_dir)
