@@ -1019,3 +1019,34 @@ def test_embedded_data_dir_that_is_not_a_path_is_refused(data_dir: Any) -> None:
     for queue_class in (Queue, AsyncQueue):
         with pytest.raises(InvalidArgumentError, match="data_dir"):
             queue_class.embedded(data_dir)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"lock_ms": 10**20}, "lock_ms"),
+        ({"lock_ms": 7 * 24 * 3600 * 1000 + 1}, "lock_ms"),
+        ({"idle_ms": 2**63}, "idle_ms"),
+        ({"concurrency": 10_001}, "concurrency"),
+        ({"max_attempts": 2**31}, "max_attempts"),
+        ({"grace_s": 1e300}, "grace_s"),
+    ],
+)
+def test_worker_option_beyond_its_bound_is_refused(
+    shared_world: World, options: dict[str, Any], match: str
+) -> None:
+    # lock_ms=10**20 used to be accepted; the heartbeat thread then died with OverflowError.
+    with pytest.raises(InvalidArgumentError, match=match):
+        Worker(shared_world.queue, _handler, **options)
+
+
+@pytest.mark.parametrize("port", ["-5", "65536", "99999"])
+def test_cli_worker_metrics_port_out_of_range_is_refused(shared_world: World, port: str) -> None:
+    # It used to end in an OverflowError traceback from bind().
+    world = shared_world
+    argv = ["--dsn", world.queue.dsn, "--schema", world.queue.schema, "worker", "json:dumps"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = cli_main([*argv, f"--metrics-port={port}", "--until-idle"])
+    assert code == 1
+    assert "metrics port" in err.getvalue()

@@ -19,6 +19,8 @@ __all__ = ["Action", "Backoff", "Decision", "WorkerOptions", "WorkerStats", "err
 
 
 MAX_DELAY_MS = 10**12  # about 31 years: a longer retry delay is a mistake
+MAX_WAIT_MS = 7 * 24 * 3600 * 1000  # the longest lock the queue grants; also caps idle and grace
+MAX_CONCURRENCY = 10_000  # the most messages one dequeue can return
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,14 +120,16 @@ class WorkerOptions:
         idle_ms: object,
     ) -> WorkerOptions:
         """Validate the options; a bad one raises :class:`InvalidArgumentError`."""
-        for name, value, low in (
-            ("concurrency", concurrency, 1),
-            ("lock_ms", lock_ms, 100),
-            ("max_attempts", max_attempts, 1),
-            ("idle_ms", idle_ms, 1),
+        for name, value, low, high in (
+            ("concurrency", concurrency, 1, MAX_CONCURRENCY),
+            ("lock_ms", lock_ms, 100, MAX_WAIT_MS),
+            ("max_attempts", max_attempts, 1, 2**31 - 1),
+            ("idle_ms", idle_ms, 1, MAX_WAIT_MS),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise InvalidArgumentError(
+                    f"{name} must be an int from {low} to {high}, got {value!r}"
+                )
         assert isinstance(lock_ms, int)
         heartbeat = heartbeat_ms if heartbeat_ms is not None else lock_ms // 3
         if (
@@ -139,9 +143,12 @@ class WorkerOptions:
         if (
             not isinstance(grace_s, int | float)
             or isinstance(grace_s, bool)
-            or not 0 <= grace_s < math.inf
+            or not 0 <= grace_s <= MAX_WAIT_MS / 1000
         ):
-            raise InvalidArgumentError(f"grace_s must be a finite number >= 0, got {grace_s!r}")
+            raise InvalidArgumentError(
+                f"grace_s must be a number from 0 to {MAX_WAIT_MS // 1000} (7 days), "
+                f"got {grace_s!r}"
+            )
         if backoff is not None and not isinstance(backoff, Backoff):
             raise InvalidArgumentError(f"backoff must be a Backoff, got {backoff!r}")
         if dead_letter_channel == SCHEDULE_CHANNEL:
