@@ -1050,3 +1050,22 @@ def test_cli_worker_metrics_port_out_of_range_is_refused(shared_world: World, po
         code = cli_main([*argv, f"--metrics-port={port}", "--until-idle"])
     assert code == 1
     assert "metrics port" in err.getvalue()
+
+
+def test_sql_payload_over_the_limit_is_refused_by_the_batch_and_schedule_functions(
+    shared_world: World,
+) -> None:
+    world = shared_world
+    big = "convert_to(repeat('x', 67108865), 'UTF8')"  # 64 MiB + 1, built by the server
+    before = world.snapshot()
+    for call in (
+        "{s}.message_create_many(ARRAY['a'], ARRAY[" + big + "], NULL, NULL)",
+        "{s}.schedule_set('big', " + big + ", 1)",
+        "{s}.message_defer_many(ARRAY[%s]::bigint[], ARRAY[1], NULL, ARRAY[" + big + "])",
+    ):
+        query = sql.SQL("SELECT * FROM " + call).format(s=sql.Identifier(world.queue.schema))
+        params = [world.held.id] if "%s" in call else []
+        with pytest.raises(psycopg.Error) as caught:
+            world.admin.execute(query, params).fetchall()
+        assert caught.value.sqlstate == "LQ006"
+    assert world.snapshot() == before
