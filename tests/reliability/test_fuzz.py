@@ -8,9 +8,11 @@ Python layer should have refused), never a ``TypeError``/``AttributeError``/psyc
 out. After a refusal every row of every table of the schema is as it was.
 
 The SQL functions are found in ``pg_proc`` of the installed schema, so a new one is fuzzed
-without editing this file; their errors must be the queue's own SQLSTATEs (``LQ...``) for
-arguments of the right type, or a data error raised by the cast for arguments of the wrong
-type. See docs/robustness.md for the table of what is tried.
+without editing this file. The SQL API (the functions the bindings call) refuses arguments
+of the right type with the queue's own SQLSTATEs (``LQ...``) only; a value of the wrong type
+is refused by its cast (a data exception); helpers may also meet a data or integrity error.
+Never an internal error, a crashed backend or a change of state. See docs/robustness.md for
+the table of what is tried.
 """
 
 from __future__ import annotations
