@@ -351,6 +351,11 @@ def test_fuzz_channel(
     world.attempt(policy)
 
 
+# Five fields drawn from what cron syntax is made of, plus digits that are not ASCII.
+_cron_field = st.text(alphabet="0123456789*/-,²٣ajnsu", min_size=1, max_size=6)
+cron_like = st.lists(_cron_field, min_size=4, max_size=6).map(" ".join)
+
+
 @FUZZ
 @given(
     name=maybe(st.sampled_from(["nightly", "hourly"]), st.one_of(hostile_text, anything)),
@@ -362,6 +367,7 @@ def test_fuzz_channel(
             st.sampled_from(
                 ["* * * * * *", "61 * * * *", "*/0 * * * *", "0 0 31 2 *", "-1 * * * *"]
             ),
+            cron_like,
         ),
     ),
     content=payloads,
@@ -1071,3 +1077,12 @@ def test_sql_payload_over_the_limit_is_refused_by_the_batch_and_schedule_functio
             world.admin.execute(query, params).fetchall()
         assert caught.value.sqlstate == "LQ006"
     assert world.snapshot() == before
+
+
+@pytest.mark.parametrize("cron", ["² * * * *", "*/² * * * *", "1-² * * * *", "٣ * * * *"])
+def test_cron_with_digits_that_are_not_ascii_is_refused(shared_world: World, cron: str) -> None:
+    # "²".isdigit() is true but int("²") fails: a bare ValueError escaped the parser.
+    before = shared_world.snapshot()
+    with pytest.raises(InvalidArgumentError, match="cron minute"):
+        shared_world.queue.schedule("n", cron=cron, content=b"x")
+    assert shared_world.snapshot() == before
