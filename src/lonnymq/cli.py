@@ -35,6 +35,7 @@ from .types import ChannelStats, NewMessage
 from .worker import AsyncWorker, Backoff, Worker, WorkerStats
 
 EXIT_NOT_FOUND = 3
+MAX_TOP_INTERVAL_S = 86_400.0
 
 __all__ = ["main"]
 
@@ -494,8 +495,13 @@ def _run_worker(
 
 
 def _top(q: Queue, args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise InvalidArgumentError(f"--interval must be > 0, got {args.interval}")
+    if not 0 < args.interval <= MAX_TOP_INTERVAL_S:  # also refuses nan
+        raise InvalidArgumentError(
+            f"--interval must be more than 0 and at most {MAX_TOP_INTERVAL_S} s, "
+            f"got {args.interval}"
+        )
+    if args.iterations is not None and args.iterations < 1:
+        raise InvalidArgumentError(f"--iterations must be at least 1, got {args.iterations}")
     previous: dict[str, int] = {}
     last = time.monotonic()
     done = 0
