@@ -1086,3 +1086,19 @@ def test_cron_with_digits_that_are_not_ascii_is_refused(shared_world: World, cro
     with pytest.raises(InvalidArgumentError, match="cron minute"):
         shared_world.queue.schedule("n", cron=cron, content=b"x")
     assert shared_world.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    "options", [["--interval=nan"], ["--interval=1e300"], ["--interval=0"], ["--iterations=-1"]]
+)
+def test_cli_top_with_a_bad_interval_or_count_is_refused(
+    shared_world: World, options: list[str]
+) -> None:
+    # nan ended in ValueError and 1e300 in OverflowError from time.sleep; -1 did nothing.
+    world = shared_world
+    argv = ["--dsn", world.queue.dsn, "--schema", world.queue.schema, "top", "--json"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli_main([*argv, "--iterations=2", *options])
+    assert code == 1
+    assert "InvalidArgumentError" in err.getvalue()
