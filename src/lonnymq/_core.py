@@ -67,6 +67,11 @@ def _encodable(value: str) -> bool:
     return True
 
 
+def is_clean_text(value: str) -> bool:
+    """Whether PostgreSQL text can hold ``value``: no NUL, and a UTF-8 form."""
+    return "\x00" not in value and _encodable(value)
+
+
 def check_channel(channel: object) -> str:
     if channel is None:
         return DEFAULT_CHANNEL
