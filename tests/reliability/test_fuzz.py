@@ -1102,3 +1102,26 @@ def test_cli_top_with_a_bad_interval_or_count_is_refused(
         code = cli_main([*argv, "--iterations=2", *options])
     assert code == 1
     assert "InvalidArgumentError" in err.getvalue()
+
+
+def test_spark_helpers_refuse_bad_arguments(shared_world: World) -> None:
+    # purge_staging(older_than_ms=2**63) and write_result("\x00") came back from the server as
+    # bare DatabaseErrors, write_result("\ud800") as UnicodeEncodeError; True passed as 1 ms.
+    from lonnymq import spark
+    from lonnymq.spark._options import check_all
+
+    world = shared_world
+    where = {"dsn": world.queue.dsn, "schema": world.queue.schema}
+    before = world.snapshot()
+    for older_than_ms in (2**63, -1, True, 1.5, "1"):
+        with pytest.raises(InvalidArgumentError, match="older_than_ms"):
+            spark.purge_staging(older_than_ms=older_than_ms, **where)  # type: ignore[arg-type]
+    for write_id in ("\x00", "a\x00", "\ud800", "", 5, None, "w" * 201):
+        with pytest.raises(InvalidArgumentError, match="writeId"):
+            spark.write_result(write_id, **where)  # type: ignore[arg-type]
+    for option in ("consumer", "channel", "writeId", "sinkId", "snapshot"):
+        for value in ("a\x00b", "\udcff"):
+            with pytest.raises(InvalidArgumentError, match=option):
+                check_all({"dsn": world.queue.dsn, option: value})
+    assert spark.write_result("never-written", **where) is None
+    assert world.snapshot() == before
