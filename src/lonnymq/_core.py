@@ -68,6 +68,11 @@ def _encodable(value: str) -> bool:
     return True
 
 
+def is_clean_text(value: str) -> bool:
+    """Whether PostgreSQL text can hold ``value``: no NUL, and a UTF-8 form."""
+    return "\x00" not in value and _encodable(value)
+
+
 def check_channel(channel: object) -> str:
     if channel is None:
         return DEFAULT_CHANNEL
@@ -145,6 +150,15 @@ def check_claim(message_id: object, num_attempts: object) -> tuple[int, int]:
             f"num_attempts must be the positive int dequeue returned, got {num_attempts!r}"
         )
     return message_id, num_attempts  # type: ignore[return-value]
+
+
+def check_message(message: object) -> tuple[int, int]:
+    """(id, num_attempts) of a message you hold, checked (anything else is refused)."""
+    if not hasattr(message, "id") or not hasattr(message, "num_attempts"):
+        raise InvalidArgumentError(
+            f"expected a message returned by dequeue, got {type(message).__name__}"
+        )
+    return check_claim(message.id, message.num_attempts)
 
 
 def check_claims(messages: object) -> list[tuple[int, int]]:
@@ -230,6 +244,22 @@ def check_error_text(error: object) -> str:
     text = error.replace("\x00", "\ufffd")
     text = text.encode("utf-8", "replace").decode("utf-8")
     return text[:65536]
+
+
+def check_outcome(value: object) -> str | None:
+    """An archive outcome to filter on: 1 to 64 characters of text without NUL."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not 1 <= len(value) <= 64
+        or "\x00" in value
+        or not _encodable(value)
+    ):
+        raise InvalidArgumentError(
+            f"outcome must be 1 to 64 characters of valid Unicode text without NUL, got {value!r}"
+        )
+    return value
 
 
 def check_event_channel(value: object) -> str | None:

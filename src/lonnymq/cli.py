@@ -35,6 +35,7 @@ from .types import ChannelStats, NewMessage
 from .worker import AsyncWorker, Backoff, Worker, WorkerStats
 
 EXIT_NOT_FOUND = 3
+MAX_TOP_INTERVAL_S = 86_400.0
 
 __all__ = ["main"]
 
@@ -379,14 +380,26 @@ def _verify(q: Queue, args: argparse.Namespace) -> int:
     return 1 if found else 0
 
 
+def _utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; text that has none (bytes the shell passed that were not UTF-8) is
+    refused rather than sent mangled."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidArgumentError(f"{what} must be valid UTF-8 text: {err.reason}") from err
+
+
 def _contents(args: argparse.Namespace) -> Iterator[bytes]:
     if args.contents:
-        yield from (c.encode() for c in args.contents)
+        yield from (_utf8(c, "message content") for c in args.contents)
         return
-    for line in sys.stdin:
-        text = line.rstrip("\n")
-        if text:
-            yield text.encode()
+    try:
+        for line in sys.stdin:
+            text = line.rstrip("\n")
+            if text:
+                yield _utf8(text, "message content")
+    except UnicodeDecodeError as err:
+        raise InvalidArgumentError(f"standard input must be UTF-8 text: {err.reason}") from err
 
 
 def _create(q: Queue, args: argparse.Namespace) -> int:
@@ -544,8 +557,13 @@ def _run_worker(
 
 
 def _top(q: Queue, args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise InvalidArgumentError(f"--interval must be > 0, got {args.interval}")
+    if not 0 < args.interval <= MAX_TOP_INTERVAL_S:  # also refuses nan
+        raise InvalidArgumentError(
+            f"--interval must be more than 0 and at most {MAX_TOP_INTERVAL_S} s, "
+            f"got {args.interval}"
+        )
+    if args.iterations is not None and args.iterations < 1:
+        raise InvalidArgumentError(f"--iterations must be at least 1, got {args.iterations}")
     previous: dict[str, int] = {}
     last = time.monotonic()
     done = 0
@@ -634,7 +652,10 @@ def _top_table(view: list[dict[str, Any]]) -> Any:
 def _schedule(q: Queue, args: argparse.Namespace) -> int:
     if args.schedule_command == "add":
         created = q.schedule(
-            args.name, cron=args.cron, content=args.content.encode(), channel=args.channel
+            args.name,
+            cron=args.cron,
+            content=_utf8(args.content, "--content"),
+            channel=args.channel,
         )
         print(f"schedule {args.name!r} {'created' if created else 'updated'}")
         return 0

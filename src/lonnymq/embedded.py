@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .errors import EmbeddedServerError
+from .errors import EmbeddedServerError, InvalidArgumentError
 
 __all__ = ["default_data_dir", "embedded_dsn", "resolve_dsn"]
 
@@ -36,6 +36,10 @@ def default_data_dir() -> Path:
 
 def embedded_dsn(data_dir: str | os.PathLike[str] | None = None) -> str:
     """Start (or join) the embedded server for ``data_dir`` and return its connection string."""
+    if data_dir is not None and not _is_path(data_dir):
+        raise InvalidArgumentError(
+            f"data_dir must be None or a path without NUL, got {type(data_dir).__name__}"
+        )
     path = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
     path = path.resolve()
     with _lock:
@@ -44,6 +48,13 @@ def embedded_dsn(data_dir: str | os.PathLike[str] | None = None) -> str:
             server = _start(path)
             _servers[path] = server
         return str(server.get_uri())
+
+
+def _is_path(value: object) -> bool:
+    if not isinstance(value, str | os.PathLike):
+        return False
+    text = os.fspath(value)
+    return isinstance(text, str) and "\x00" not in text
 
 
 def resolve_dsn(dsn: str | None) -> str:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from .errors import InvalidArgumentError
+
 __all__ = ["JsonFormatter", "MetricsServer", "OperationStats", "Recorder", "WorkerMetrics"]
 
 
@@ -182,7 +184,12 @@ class MetricsServer:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+            raise InvalidArgumentError(f"metrics port must be an int from 0 to 65535, got {port!r}")
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as err:
+            raise InvalidArgumentError(f"cannot serve metrics on port {port}: {err}") from err
         self._server.daemon_threads = True
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(

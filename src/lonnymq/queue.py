@@ -7,6 +7,7 @@ Derived from ``queue_async.py``; see the header.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -169,6 +170,10 @@ class Queue:
         event_channel: str | None = None,
         pool_size: int = 10,
     ) -> None:
+        if dsn is not None and (not isinstance(dsn, str) or "\x00" in dsn):
+            raise InvalidArgumentError(
+                f"dsn must be None or a connection string without NUL, got {type(dsn).__name__}"
+            )
         self._schema = _core.check_schema(schema)
         self._event_channel = _core.check_event_channel(event_channel)
         if not isinstance(pool_size, int) or pool_size < 1:
@@ -263,6 +268,7 @@ class Queue:
 
     def _fetch(self, name: str, params: dict[str, Any], conn: Connection[Any] | None) -> list[Row]:
         """Run the named statement (on ``conn``, or on a pooled connection) and return rows."""
+        _check_conn(conn)
         started = perf_counter()
         ok = False
         try:
@@ -307,6 +313,7 @@ class Queue:
         """
         if archive is not None and not isinstance(archive, bool):
             raise InvalidArgumentError(f"archive must be a bool, got {archive!r}")
+        _check_conn(conn)
         if conn is not None:
             return self._install_on(conn, archive)
         pool = self._get_pool()
@@ -514,7 +521,7 @@ class Queue:
         self, message: Message, *, lock_ms: int, conn: Connection[Any] | None = None
     ) -> int:
         """Extend the lock of a message you hold to now + ``lock_ms``; returns the unlock time."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -525,14 +532,14 @@ class Queue:
 
     def delete(self, message: Message, *, conn: Connection[Any] | None = None) -> None:
         """Finish a message you hold and free its channel slot."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {"id": message_id, "num_attempts": attempts, "outcome": "completed", "error": None}
         self._fetch("message_delete", params, conn)
 
     def fail(self, message: Message, *, error: str, conn: Connection[Any] | None = None) -> None:
         """Finish a message you hold as failed: it leaves the queue (and is archived with
         outcome ``failed`` and ``error`` when the archive is on)."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -551,6 +558,7 @@ class Queue:
     ) -> CreateResult:
         """Move a message you hold to ``channel`` in one transaction: a copy of its content is
         created there and the message is finished as failed with ``error``."""
+        _core.check_message(message)
         target = _core.check_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
@@ -569,7 +577,7 @@ class Queue:
         conn: Connection[Any] | None = None,
     ) -> None:
         """Give back a message you hold; see :meth:`Message.defer`."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -626,6 +634,7 @@ class Queue:
         problem found, by channel (an empty list: consistent). Read-only. On a pooled
         connection it runs in a REPEATABLE READ, READ ONLY transaction; on ``conn`` it reads
         that connection's snapshot. It scans the message table: an operator's check."""
+        _check_conn(conn)
         if conn is not None:
             rows = self._fetch("queue_verify", {}, conn)
             return [_core.discrepancy(row) for row in rows]
@@ -731,7 +740,8 @@ class Queue:
         create the task that is due (at most one, however many firings were missed) and defer
         the driver to the next firing. A driver whose lock was lost raises
         :class:`~lonnymq.errors.StaleMessageError` and fires nothing."""
-        if driver.channel != _schedule.SCHEDULE_CHANNEL:
+        _core.check_message(driver)
+        if getattr(driver, "channel", None) != _schedule.SCHEDULE_CHANNEL:
             raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
         spec = ScheduleSpec.decode(driver.content)
         if conn is None:
@@ -825,10 +835,8 @@ class Queue:
     ) -> list[ArchivedMessage]:
         """Archived messages, newest first: of one ``outcome`` (e.g. ``"failed"``) and
         ``channel`` when given, with ids below ``before_id`` (to page)."""
-        if outcome is not None and (not isinstance(outcome, str) or not 1 <= len(outcome) <= 64):
-            raise InvalidArgumentError(f"outcome must be 1 to 64 characters, got {outcome!r}")
         params = {
-            "outcome": outcome,
+            "outcome": _core.check_outcome(outcome),
             "channel": None if channel is None else _core.check_channel(channel),
             "before_id": None if before_id is None else _core.check_claim(before_id, 1)[0],
             "limit": _core.check_limit(limit),
@@ -852,8 +860,21 @@ class Queue:
         return [_archive.replay_result(row) for row in rows]
 
 
+def _check_conn(conn: object) -> None:
+    if conn is not None and not isinstance(conn, Connection):
+        raise InvalidArgumentError(
+            f"conn must be None or a psycopg Connection, got {type(conn).__name__}"
+        )
+
+
 def _check_timeout(timeout: object) -> None:
     if timeout is None:
         return
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
-        raise InvalidArgumentError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 <= timeout < math.inf
+    ):
+        raise InvalidArgumentError(
+            f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}"
+        )

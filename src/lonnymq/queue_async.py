@@ -7,6 +7,7 @@ it, and CI checks that the two agree. Keep the code here in the shapes that scri
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -168,6 +169,10 @@ class AsyncQueue:
         event_channel: str | None = None,
         pool_size: int = 10,
     ) -> None:
+        if dsn is not None and (not isinstance(dsn, str) or "\x00" in dsn):
+            raise InvalidArgumentError(
+                f"dsn must be None or a connection string without NUL, got {type(dsn).__name__}"
+            )
         self._schema = _core.check_schema(schema)
         self._event_channel = _core.check_event_channel(event_channel)
         if not isinstance(pool_size, int) or pool_size < 1:
@@ -264,6 +269,7 @@ class AsyncQueue:
         self, name: str, params: dict[str, Any], conn: AsyncConnection[Any] | None
     ) -> list[Row]:
         """Run the named statement (on ``conn``, or on a pooled connection) and return rows."""
+        _check_conn(conn)
         started = perf_counter()
         ok = False
         try:
@@ -310,6 +316,7 @@ class AsyncQueue:
         """
         if archive is not None and not isinstance(archive, bool):
             raise InvalidArgumentError(f"archive must be a bool, got {archive!r}")
+        _check_conn(conn)
         if conn is not None:
             return await self._install_on(conn, archive)
         pool = await self._get_pool()
@@ -521,7 +528,7 @@ class AsyncQueue:
         self, message: AsyncMessage, *, lock_ms: int, conn: AsyncConnection[Any] | None = None
     ) -> int:
         """Extend the lock of a message you hold to now + ``lock_ms``; returns the unlock time."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -534,7 +541,7 @@ class AsyncQueue:
         self, message: AsyncMessage, *, conn: AsyncConnection[Any] | None = None
     ) -> None:
         """Finish a message you hold and free its channel slot."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {"id": message_id, "num_attempts": attempts, "outcome": "completed", "error": None}
         await self._fetch("message_delete", params, conn)
 
@@ -543,7 +550,7 @@ class AsyncQueue:
     ) -> None:
         """Finish a message you hold as failed: it leaves the queue (and is archived with
         outcome ``failed`` and ``error`` when the archive is on)."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -562,6 +569,7 @@ class AsyncQueue:
     ) -> CreateResult:
         """Move a message you hold to ``channel`` in one transaction: a copy of its content is
         created there and the message is finished as failed with ``error``."""
+        _core.check_message(message)
         target = _core.check_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
@@ -580,7 +588,7 @@ class AsyncQueue:
         conn: AsyncConnection[Any] | None = None,
     ) -> None:
         """Give back a message you hold; see :meth:`AsyncMessage.defer`."""
-        message_id, attempts = _core.check_claim(message.id, message.num_attempts)
+        message_id, attempts = _core.check_message(message)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -637,6 +645,7 @@ class AsyncQueue:
         problem found, by channel (an empty list: consistent). Read-only. On a pooled
         connection it runs in a REPEATABLE READ, READ ONLY transaction; on ``conn`` it reads
         that connection's snapshot. It scans the message table: an operator's check."""
+        _check_conn(conn)
         if conn is not None:
             rows = await self._fetch("queue_verify", {}, conn)
             return [_core.discrepancy(row) for row in rows]
@@ -748,7 +757,8 @@ class AsyncQueue:
         create the task that is due (at most one, however many firings were missed) and defer
         the driver to the next firing. A driver whose lock was lost raises
         :class:`~lonnymq.errors.StaleMessageError` and fires nothing."""
-        if driver.channel != _schedule.SCHEDULE_CHANNEL:
+        _core.check_message(driver)
+        if getattr(driver, "channel", None) != _schedule.SCHEDULE_CHANNEL:
             raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
         spec = ScheduleSpec.decode(driver.content)
         if conn is None:
@@ -844,10 +854,8 @@ class AsyncQueue:
     ) -> list[ArchivedMessage]:
         """Archived messages, newest first: of one ``outcome`` (e.g. ``"failed"``) and
         ``channel`` when given, with ids below ``before_id`` (to page)."""
-        if outcome is not None and (not isinstance(outcome, str) or not 1 <= len(outcome) <= 64):
-            raise InvalidArgumentError(f"outcome must be 1 to 64 characters, got {outcome!r}")
         params = {
-            "outcome": outcome,
+            "outcome": _core.check_outcome(outcome),
             "channel": None if channel is None else _core.check_channel(channel),
             "before_id": None if before_id is None else _core.check_claim(before_id, 1)[0],
             "limit": _core.check_limit(limit),
@@ -871,8 +879,21 @@ class AsyncQueue:
         return [_archive.replay_result(row) for row in rows]
 
 
+def _check_conn(conn: object) -> None:
+    if conn is not None and not isinstance(conn, AsyncConnection):
+        raise InvalidArgumentError(
+            f"conn must be None or a psycopg AsyncConnection, got {type(conn).__name__}"
+        )
+
+
 def _check_timeout(timeout: object) -> None:
     if timeout is None:
         return
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout < 0:
-        raise InvalidArgumentError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 <= timeout < math.inf
+    ):
+        raise InvalidArgumentError(
+            f"timeout must be None or a finite number of seconds >= 0, got {timeout!r}"
+        )

@@ -39,12 +39,17 @@ _MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
 _DAYS = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"]
 
 
+def _is_number(token: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes "²" (which ``int`` refuses) and "٣"."""
+    return token.isascii() and token.isdigit()
+
+
 def _parse_field(text: str, name: str, low: int, high: int, names: list[str]) -> frozenset[int]:
     def value(token: str) -> int:
         lowered = token.lower()
         if lowered in names:
             return names.index(lowered) + (1 if name == "month" else 0)
-        if not token.isdigit():
+        if not _is_number(token):
             raise InvalidArgumentError(f"cron {name}: {token!r} is not a number")
         number = int(token)
         if not low <= number <= high:
@@ -56,7 +61,7 @@ def _parse_field(text: str, name: str, low: int, high: int, names: list[str]) ->
         base, slash, step_text = part.partition("/")
         step = 1
         if slash:
-            if not step_text.isdigit() or int(step_text) == 0:
+            if not _is_number(step_text) or int(step_text) == 0:
                 raise InvalidArgumentError(f"cron {name}: bad step in {part!r}")
             step = int(step_text)
         if base == "*":
@@ -166,10 +171,26 @@ def _to_ms(moment: datetime) -> int:
 
 
 def check_name(name: object) -> str:
-    """A schedule name: 1 to 200 characters of text without NUL."""
-    if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME or "\x00" in name:
-        raise InvalidArgumentError(f"schedule name must be 1 to {MAX_NAME} characters: {name!r}")
+    """A schedule name: 1 to 200 characters of valid Unicode text without NUL."""
+    if (
+        not isinstance(name, str)
+        or not 1 <= len(name) <= MAX_NAME
+        or "\x00" in name
+        or not _encodable(name)
+    ):
+        raise InvalidArgumentError(
+            f"schedule name must be 1 to {MAX_NAME} characters of valid Unicode text without "
+            f"NUL: {name!r}"
+        )
     return name
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)

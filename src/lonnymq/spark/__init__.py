@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .. import _core
 from ..embedded import DSN_ENV
 from ..errors import InvalidArgumentError
 from ._errors import ConsumerBusyError, SparkWriteError
@@ -82,9 +83,10 @@ def write_result(
 ) -> WriteResult | None:
     """What the batch write run with option ``writeId=write_id`` enqueued (created,
     deduplicated, dropped), or ``None`` when no such write was committed."""
+    from ._options import writer_id
     from ._write import result_of
 
-    return result_of(_connection(dsn, schema), write_id, 0)
+    return result_of(_connection(dsn, schema), writer_id("writeId", write_id), 0)
 
 
 def purge_staging(
@@ -95,8 +97,14 @@ def purge_staging(
     Returns the staged rows removed."""
     from . import _db
 
-    if not isinstance(older_than_ms, int) or older_than_ms < 0:
-        raise InvalidArgumentError(f"older_than_ms must be an int >= 0, got {older_than_ms!r}")
+    if (
+        not isinstance(older_than_ms, int)
+        or isinstance(older_than_ms, bool)
+        or not 0 <= older_than_ms <= _core.TIME_BOUND_MS
+    ):
+        raise InvalidArgumentError(
+            f"older_than_ms must be an int from 0 to 10^15, got {older_than_ms!r}"
+        )
     conn = _connection(dsn, schema)
     with _db.connect(conn) as db:
         rows = _db.run(db, schema, "spark_stage_purge", {"older_than_ms": older_than_ms})

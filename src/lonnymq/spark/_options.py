@@ -153,6 +153,8 @@ def _text(options: Mapping[str, str], name: str) -> str | None:
         return None
     if not isinstance(value, str) or not value.strip():
         raise _bad(name, "a non-empty string", value)
+    if not _core.is_clean_text(value):
+        raise _bad(name, "text without NUL or lone surrogates", value)
     return value
 
 
@@ -374,6 +376,14 @@ def _identifier(options: Mapping[str, str], name: str) -> str | None:
     if value is not None and len(value) > 200:
         raise _bad(name, "at most 200 characters", value)
     return value
+
+
+def writer_id(name: str, value: object) -> str:
+    """A ``writeId``/``sinkId`` given as an argument rather than an option, checked alike."""
+    checked = _identifier({name: value}, name)  # type: ignore[dict-item]
+    if checked is None:
+        raise _bad(name, "a non-empty string", value)
+    return checked
 
 
 READ_OPTIONS = COMMON_OPTIONS | {"table", "numPartitions", "snapshot", "fetchSize"}

@@ -84,6 +84,8 @@ class Worker:
         idle_ms: int = 5_000,
         metrics: WorkerMetrics | None = None,
     ) -> None:
+        if not isinstance(queue, Queue):
+            raise InvalidArgumentError(f"queue must be a Queue, got {type(queue).__name__}")
         if not callable(handler):
             raise InvalidArgumentError("handler must be callable")
         self.options = WorkerOptions.check(
@@ -93,7 +95,7 @@ class Worker:
             max_attempts=max_attempts,
             backoff=backoff,
             dead_letter_channel=(
-                queue.channel(dead_letter_channel).name if dead_letter_channel else None
+                queue.channel(dead_letter_channel).name if dead_letter_channel is not None else None
             ),
             grace_s=grace_s,
             idle_ms=idle_ms,

@@ -68,6 +68,8 @@ class AsyncWorker:
         idle_ms: int = 5_000,
         metrics: WorkerMetrics | None = None,
     ) -> None:
+        if not isinstance(queue, AsyncQueue):
+            raise InvalidArgumentError(f"queue must be a AsyncQueue, got {type(queue).__name__}")
         if not callable(handler):
             raise InvalidArgumentError("handler must be callable")
         self.options = WorkerOptions.check(
@@ -77,7 +79,7 @@ class AsyncWorker:
             max_attempts=max_attempts,
             backoff=backoff,
             dead_letter_channel=(
-                queue.channel(dead_letter_channel).name if dead_letter_channel else None
+                queue.channel(dead_letter_channel).name if dead_letter_channel is not None else None
             ),
             grace_s=grace_s,
             idle_ms=idle_ms,

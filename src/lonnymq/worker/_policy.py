@@ -4,6 +4,7 @@ before and after its handler runs, retry delays, sleeps and reconnect delays."""
 
 from __future__ import annotations
 
+import math
 import random
 import traceback
 from collections.abc import Iterable
@@ -15,6 +16,11 @@ from ..errors import InvalidArgumentError
 from ..schedule import SCHEDULE_CHANNEL
 
 __all__ = ["Action", "Backoff", "Decision", "WorkerOptions", "WorkerStats", "error_text"]
+
+
+MAX_DELAY_MS = 10**12  # about 31 years: a longer retry delay is a mistake
+MAX_WAIT_MS = 7 * 24 * 3600 * 1000  # the longest lock the queue grants; also caps idle and grace
+MAX_CONCURRENCY = 10_000  # the most messages one dequeue can return
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +37,38 @@ class Backoff:
     jitter: bool = True
 
     def __post_init__(self) -> None:
-        if self.base_ms < 0 or self.max_ms < self.base_ms or self.factor < 1:
+        ints = all(
+            isinstance(v, int) and not isinstance(v, bool) for v in (self.base_ms, self.max_ms)
+        )
+        factor_ok = (
+            isinstance(self.factor, int | float)
+            and not isinstance(self.factor, bool)
+            and math.isfinite(self.factor)
+        )
+        if not ints or not factor_ok or not isinstance(self.jitter, bool):
             raise InvalidArgumentError(
-                "Backoff needs 0 <= base_ms <= max_ms and factor >= 1, got "
+                "Backoff needs int base_ms and max_ms, a finite number factor and a bool "
+                f"jitter, got base_ms={self.base_ms!r}, max_ms={self.max_ms!r}, "
+                f"factor={self.factor!r}, jitter={self.jitter!r}"
+            )
+        if (
+            self.base_ms < 0
+            or self.max_ms < self.base_ms
+            or self.max_ms > MAX_DELAY_MS
+            or self.factor < 1
+        ):
+            raise InvalidArgumentError(
+                "Backoff needs 0 <= base_ms <= max_ms <= 10^12 and factor >= 1, got "
                 f"base_ms={self.base_ms}, max_ms={self.max_ms}, factor={self.factor}"
             )
 
     def delay_ms(self, attempts: int, rng: random.Random | None = None) -> int:
         """The delay after the ``attempts``-th failed attempt."""
         exponent = max(attempts - 1, 0)
-        raw = float(self.max_ms) if exponent > 64 else self.base_ms * self.factor**exponent
+        try:
+            raw = float(self.max_ms) if exponent > 64 else self.base_ms * self.factor**exponent
+        except OverflowError:
+            raw = float(self.max_ms)
         capped = min(float(self.max_ms), raw)
         if not self.jitter:
             return int(capped)
@@ -92,14 +120,16 @@ class WorkerOptions:
         idle_ms: object,
     ) -> WorkerOptions:
         """Validate the options; a bad one raises :class:`InvalidArgumentError`."""
-        for name, value, low in (
-            ("concurrency", concurrency, 1),
-            ("lock_ms", lock_ms, 100),
-            ("max_attempts", max_attempts, 1),
-            ("idle_ms", idle_ms, 1),
+        for name, value, low, high in (
+            ("concurrency", concurrency, 1, MAX_CONCURRENCY),
+            ("lock_ms", lock_ms, 100, MAX_WAIT_MS),
+            ("max_attempts", max_attempts, 1, 2**31 - 1),
+            ("idle_ms", idle_ms, 1, MAX_WAIT_MS),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise InvalidArgumentError(
+                    f"{name} must be an int from {low} to {high}, got {value!r}"
+                )
         assert isinstance(lock_ms, int)
         heartbeat = heartbeat_ms if heartbeat_ms is not None else lock_ms // 3
         if (
@@ -110,8 +140,15 @@ class WorkerOptions:
             raise InvalidArgumentError(
                 f"heartbeat_ms must be an int between 1 and lock_ms, got {heartbeat_ms!r}"
             )
-        if not isinstance(grace_s, int | float) or isinstance(grace_s, bool) or grace_s < 0:
-            raise InvalidArgumentError(f"grace_s must be a number >= 0, got {grace_s!r}")
+        if (
+            not isinstance(grace_s, int | float)
+            or isinstance(grace_s, bool)
+            or not 0 <= grace_s <= MAX_WAIT_MS / 1000
+        ):
+            raise InvalidArgumentError(
+                f"grace_s must be a number from 0 to {MAX_WAIT_MS // 1000} (7 days), "
+                f"got {grace_s!r}"
+            )
         if backoff is not None and not isinstance(backoff, Backoff):
             raise InvalidArgumentError(f"backoff must be a Backoff, got {backoff!r}")
         if dead_letter_channel == SCHEDULE_CHANNEL:
