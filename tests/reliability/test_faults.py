@@ -1,0 +1,94 @@
+"""PostgreSQL restarted in immediate mode under the queue: calls fail with a typed error while
+it is down, the same Queue works again once it is back, and the soak with restarts loses
+nothing (the long variant: ``tests/reliability/soak.py --restart-every``).
+
+These tests run on a private server of their own (``pgserver.py``), whatever
+``$LONNYMQ_TEST_DSN`` says: the machine's server is not theirs to restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lonnymq import AsyncQueue, Queue
+from lonnymq.errors import DatabaseUnavailableError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pgserver import RestartableServer
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RestartableServer]:
+    with RestartableServer() as private:
+        yield private
+
+
+@pytest.fixture
+def fault_queue(server: RestartableServer, schema_name: str) -> Iterator[Queue]:
+    with Queue(server.dsn, schema=schema_name, pool_size=3) as queue:
+        queue.install()
+        yield queue
+
+
+def test_pooled_connections_closed_by_a_restart_are_replaced(
+    server: RestartableServer, fault_queue: Queue
+) -> None:
+    # Fill the pool with several idle connections, all of which the restart closes.
+    fault_queue.create_many([])
+    with fault_queue.transaction() as one, fault_queue.transaction() as two:
+        assert fault_queue.now(conn=one) > 0
+        assert fault_queue.now(conn=two) > 0
+    server.restart()
+    # The first calls after the restart get live connections: nothing fails.
+    for i in range(5):
+        assert fault_queue.create(f"c{i}".encode()).id is not None
+    message = fault_queue.dequeue(lock_ms=10_000)
+    assert message is not None
+    message.delete()
+    assert sum(s.size for s in fault_queue.stats()) == 4
+
+
+def test_a_call_cut_by_a_restart_raises_unavailable_and_the_queue_recovers(
+    server: RestartableServer, fault_queue: Queue
+) -> None:
+    fault_queue.create(b"kept")
+
+    def cut() -> None:
+        with fault_queue.transaction() as conn:
+            fault_queue.create(b"rolled back", conn=conn)
+            server.restart()
+            fault_queue.create(b"never", conn=conn)
+
+    with pytest.raises(DatabaseUnavailableError):
+        cut()
+    # The same Queue, no new one: the lost transaction left nothing behind.
+    assert [s.size for s in fault_queue.stats()] == [1]
+    message = fault_queue.dequeue(lock_ms=10_000)
+    assert message is not None
+    assert message.content == b"kept"
+    message.delete()
+
+
+def test_the_async_queue_recovers_after_a_restart(
+    server: RestartableServer, schema_name: str
+) -> None:
+    async def cut(queue: AsyncQueue) -> None:
+        async with queue.transaction() as conn:
+            server.restart()
+            await queue.create(b"never", conn=conn)
+
+    async def scenario() -> int:
+        async with AsyncQueue(server.dsn, schema=schema_name, pool_size=2) as queue:
+            await queue.install()
+            await queue.create(b"before")
+            with pytest.raises(DatabaseUnavailableError):
+                await cut(queue)
+            await queue.create(b"after")
+            return sum(s.size for s in await queue.stats())
+
+    assert asyncio.run(scenario()) == 2
