@@ -9,9 +9,11 @@ These tests run on a private server of their own (``pgserver.py``), whatever
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -92,3 +94,42 @@ def test_the_async_queue_recovers_after_a_restart(
             return sum(s.size for s in await queue.stats())
 
     assert asyncio.run(scenario()) == 2
+
+
+def _load_soak() -> ModuleType:
+    path = Path(__file__).with_name("soak.py")
+    spec = importlib.util.spec_from_file_location("lonnymq_soak_faults", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_restarts_during_the_soak_lose_nothing_and_finish_nothing_twice(
+    server: RestartableServer, schema_name: str
+) -> None:
+    soak = _load_soak()
+    config = soak.SoakConfig(
+        messages=1_000,
+        workers=3,
+        kill_every_s=2.0,
+        restart_every_s=4.0,
+        max_restarts=2,
+        produce_s=10.0,
+        timeout_s=300,
+    )
+    report = soak.run_soak(server.dsn, schema_name, config, server=server)
+    print(report.line())
+    assert report.problems == []
+    assert report.restarts == 2
+    assert report.messages == config.messages  # every producer call was acknowledged once
+    assert (report.lost, report.finished_twice, report.violations) == (0, 0, 0)
+    assert (report.stale_finishes, report.untyped_errors, report.worker_deaths) == (0, 0, 0)
+    assert report.stale_refused >= 1  # the stale holder on purpose was turned away
+    # The same facts, read here again on the restarted server.
+    with Queue(server.dsn, schema=schema_name) as queue:
+        assert sum(s.size for s in queue.stats()) == 0
+        assert queue.verify() == []
