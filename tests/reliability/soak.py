@@ -27,6 +27,35 @@ Checks at the end:
   the attempt of its last recorded run (``redeliveries`` = the sum of ``num_attempts - 1``);
 * ``queue.verify() == []``.
 
+With ``--restart-every SECONDS`` the soak runs on a private server of its own
+(``pgserver.RestartableServer``, never ``--dsn``) and restarts it in immediate mode that often
+(``--max-restarts`` caps it) while it goes on. The messages are then created during the run by
+``--producers`` processes over about ``--produce-for`` seconds (``create`` and ``create_many``
+calls); each writes the ids of every call that returned to a file outside the database and
+tries again after a :class:`~lonnymq.errors.LonnyMQError`; any other exception is an untyped
+error. Workers are never restarted because of the server: they must reconnect by themselves
+(a worker that exits by itself is a ``worker_death``). Handlers of even ids finish their
+message themselves, in one transaction with a ``soak_finish`` row (message, attempt): that
+record commits with the finish or not at all. A refused finish (the holder was stale) goes to
+``soak_refused``. A driver thread also plays a stale holder on purpose: it dequeues a message
+with a 200 ms lock, waits until a worker dequeued it again, then tries to finish it. More
+checks in this mode:
+
+* lost: every acknowledged id is finished (ids committed although their call failed are
+  counted as ``unacknowledged`` and must be finished too);
+* finished twice: no message has two archive rows or two ``soak_finish`` rows;
+* stale finishes: a ``soak_finish`` row carries the archived (last) attempt, every refused
+  holder's attempt is older than the one that finished, and the driver's stale holder is never
+  let through;
+* untyped errors (producers, tracebacks in the workers' output) and worker deaths are 0.
+
+``typed_errors`` counts the producers' failed calls (most calls made during an outage wait for
+the pool to reconnect and succeed), ``worker_retries`` the dequeues and outcome reports the
+workers tried again after a lost connection (their warnings).
+
+It also prints ``restarts``, the longest outage (restart command until a connection works)
+and ``resume_max``: the longest time from a restart's start until a handler ran again.
+
 It prints one line of figures and exits 1 when a check fails.
 """
 
@@ -234,6 +263,7 @@ class SoakReport:
     untyped_errors: int = 0
     typed_errors: int = 0
     worker_deaths: int = 0
+    worker_retries: int = 0
     outage_max_s: float = 0.0
     resume_max_s: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -255,6 +285,7 @@ class SoakReport:
                 f"finished_twice={self.finished_twice} stale_finishes={self.stale_finishes} "
                 f"stale_refused={self.stale_refused} typed_errors={self.typed_errors} "
                 f"untyped_errors={self.untyped_errors} worker_deaths={self.worker_deaths} "
+                f"worker_retries={self.worker_retries} "
                 f"outage_max={self.outage_max_s:.2f}s resume_max={self.resume_max_s:.2f}s"
             )
         return text
@@ -571,6 +602,8 @@ def run_soak(
             log.seek(0)
             stderr = log.read().decode(errors="replace")
             report.untyped_errors = stderr.count("UNTYPED ") + stderr.count("Traceback")
+            # The workers' own warnings: a dequeue or a report tried again after a lost server.
+            report.worker_retries = stderr.count("retrying in") + stderr.count("trying again in")
             if report.untyped_errors:
                 report.problems.append(f"{report.untyped_errors} untyped errors")
             if report.worker_deaths:

@@ -17,8 +17,9 @@ from types import ModuleType
 
 import pytest
 
-from lonnymq import AsyncQueue, Queue
+from lonnymq import AsyncQueue, Message, NewMessage, Queue
 from lonnymq.errors import DatabaseUnavailableError
+from lonnymq.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pgserver import RestartableServer
@@ -94,6 +95,26 @@ def test_the_async_queue_recovers_after_a_restart(
             return sum(s.size for s in await queue.stats())
 
     assert asyncio.run(scenario()) == 2
+
+
+def test_a_worker_rides_out_restarts_without_being_restarted(
+    server: RestartableServer, fault_queue: Queue
+) -> None:
+    fault_queue.create_many([NewMessage(f"m{i}".encode(), channel=f"c{i % 3}") for i in range(30)])
+    seen: list[int] = []
+
+    def handler(message: Message) -> None:
+        seen.append(message.id)
+        if len(seen) in (10, 20):
+            server.restart()  # between this handler's start and its report
+
+    stats = Worker(fault_queue, handler, concurrency=2, lock_ms=30_000).run(
+        handle_signals=False, until_idle=True
+    )
+    assert stats.completed == 30
+    assert sorted(seen) == sorted(set(seen))  # 30 s locks: nothing ran twice
+    assert len(seen) == 30
+    assert sum(s.size for s in fault_queue.stats()) == 0
 
 
 def _load_soak() -> ModuleType:
