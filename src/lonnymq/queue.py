@@ -46,6 +46,9 @@ __all__ = ["Channel", "Message", "Queue"]
 
 Row = tuple[Any, ...]
 
+RECONNECT_GIVE_UP_S = 5.0
+"""Seconds the pool retries one lost connection (1 s backoff, doubling) before giving up."""
+
 
 @dataclass(frozen=True, slots=True)
 class Message:
@@ -268,6 +271,9 @@ class Queue:
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
                     check=_check_pooled,
+                    # Give up a failing reconnection soon: the next call starts a fresh one
+                    # at once, instead of waiting out an ever longer backoff after an outage.
+                    reconnect_timeout=RECONNECT_GIVE_UP_S,
                     open=False,
                     name=f"lonnymq-{self._schema}",
                 )

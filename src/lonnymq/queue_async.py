@@ -45,6 +45,9 @@ __all__ = ["AsyncChannel", "AsyncMessage", "AsyncQueue"]
 
 Row = tuple[Any, ...]
 
+RECONNECT_GIVE_UP_S = 5.0
+"""Seconds the pool retries one lost connection (1 s backoff, doubling) before giving up."""
+
 
 @dataclass(frozen=True, slots=True)
 class AsyncMessage:
@@ -267,6 +270,9 @@ class AsyncQueue:
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
                     check=_check_pooled,
+                    # Give up a failing reconnection soon: the next call starts a fresh one
+                    # at once, instead of waiting out an ever longer backoff after an outage.
+                    reconnect_timeout=RECONNECT_GIVE_UP_S,
                     open=False,
                     name=f"lonnymq-{self._schema}",
                 )

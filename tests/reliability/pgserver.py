@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
@@ -68,6 +69,17 @@ class RestartableServer:
         self.restarts += 1
         self.wait_ready()
         return time.monotonic() - started
+
+    def kill(self) -> None:
+        """Stop in immediate mode (as :meth:`restart` does) and stay down until :meth:`start`."""
+        self._pg_ctl("-w", "-m", "immediate", "stop")
+
+    def start(self) -> None:
+        """Start the server stopped by :meth:`kill`, on the same socket, and wait for it."""
+        socket_dir = conninfo_to_dict(self.dsn)["host"]
+        log = str(self.data_dir / "log")
+        self._pg_ctl("-w", "-t", "120", "-o", '-h ""', "-o", f"-k {socket_dir}", "-l", log, "start")
+        self.wait_ready()
 
     def wait_ready(self, timeout_s: float = 120) -> None:
         """Wait until the server accepts a connection and runs a query."""

@@ -77,6 +77,26 @@ def test_a_call_cut_by_a_restart_raises_unavailable_and_the_queue_recovers(
     message.delete()
 
 
+@pytest.mark.slow
+def test_a_call_while_the_server_is_down_raises_unavailable_then_the_queue_works(
+    server: RestartableServer, fault_queue: Queue
+) -> None:
+    fault_queue.create(b"before")
+    server.kill()
+    try:
+        # The pool waits for a connection (30 s), then gives up with a typed error.
+        with pytest.raises(DatabaseUnavailableError):
+            fault_queue.create(b"while down")
+    finally:
+        server.start()
+    assert fault_queue.create(b"after").id is not None
+    contents = []
+    while (message := fault_queue.dequeue(lock_ms=10_000)) is not None:
+        contents.append(message.content)
+        message.delete()
+    assert contents == [b"before", b"after"]
+
+
 def test_the_async_queue_recovers_after_a_restart(
     server: RestartableServer, schema_name: str
 ) -> None:
