@@ -11,7 +11,9 @@ worker subprocesses (:class:`lonnymq.worker.Worker`, short locks) and SIGKILLs a
 every ``--kill-every`` seconds (jittered), starting a new one in its place, until every
 message is finished. Each handler records its run in the side table ``soak_run`` (own
 autocommit connection, queue clock): message, channel, attempt, pid, start, end, and the
-``unlock_at`` its message carried when the handler started.
+``unlock_at`` its message carried when the handler started. A record that fails (the server
+went away) is tried again until it is written (keyed, so a second try changes nothing): the
+handler does not return before its end is recorded, so a run never looks shorter than it was.
 
 Checks at the end:
 
@@ -87,7 +89,7 @@ from lonnymq.errors import LonnyMQError, MessageNotFoundError, StaleMessageError
 
 WORKER_SCRIPT = textwrap.dedent(
     """
-    import os, sys, threading, time
+    import os, sys, threading, time, uuid
     import psycopg
     from psycopg import sql
     from lonnymq import Queue
@@ -99,10 +101,13 @@ WORKER_SCRIPT = textwrap.dedent(
     self_finish = sys.argv[6] == "1"
     s = sql.Identifier(schema)
     start = sql.SQL(
-        "INSERT INTO {s}.soak_run (message_id, channel, attempt, pid, started_at, unlock_at)"
-        " VALUES (%s, %s, %s, %s, {s}.epoch(), %s) RETURNING run_id"
+        "INSERT INTO {s}.soak_run"
+        " (run_key, message_id, channel, attempt, pid, started_at, unlock_at)"
+        " VALUES (%s, %s, %s, %s, %s, {s}.epoch(), %s) ON CONFLICT (run_key) DO NOTHING"
     ).format(s=s)
-    end = sql.SQL("UPDATE {s}.soak_run SET ended_at = {s}.epoch() WHERE run_id = %s").format(s=s)
+    end = sql.SQL(
+        "UPDATE {s}.soak_run SET ended_at = {s}.epoch() WHERE run_key = %s AND ended_at IS NULL"
+    ).format(s=s)
     finish = sql.SQL(
         "INSERT INTO {s}.soak_finish (message_id, attempt, pid) VALUES (%s, %s, %s)"
     ).format(s=s)
@@ -113,23 +118,36 @@ WORKER_SCRIPT = textwrap.dedent(
     spare = []
     guard = threading.Lock()
 
+    def record(statement, params):
+        # Retried until the server answers (both statements may run twice), so that a run's
+        # record never says less than the time the handler held its message.
+        deadline = time.monotonic() + 120
+        while True:
+            with guard:
+                conn = spare.pop() if spare else None
+            try:
+                if conn is None:
+                    conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+                conn.execute(statement, params)
+            except psycopg.OperationalError:
+                if conn is not None:
+                    conn.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+                continue
+            with guard:
+                spare.append(conn)
+            return
+
     def handler(message):
-        with guard:
-            conn = spare.pop() if spare else None
-        if conn is None:
-            conn = psycopg.connect(dsn, autocommit=True)
-        try:
-            row = conn.execute(
-                start,
-                (message.id, message.channel, message.num_attempts, PID, message.unlock_at),
-            ).fetchone()
-            time.sleep(nap_ms / 1000)
-            conn.execute(end, (row[0],))
-        except psycopg.Error:
-            conn.close()  # lost with the server: the message is retried
-            raise
-        with guard:
-            spare.append(conn)
+        key = uuid.uuid4().hex
+        record(
+            start,
+            (key, message.id, message.channel, message.num_attempts, PID, message.unlock_at),
+        )
+        time.sleep(nap_ms / 1000)
+        record(end, (key,))
         if self_finish and message.id % 2 == 0:
             # Finish it here, in one transaction with the record of who finished it; the
             # worker then finds it gone. A stale holder is refused: that is recorded too.
@@ -199,6 +217,7 @@ PRODUCER_SCRIPT = textwrap.dedent(
 SIDE_TABLE = """
 CREATE TABLE {s}.soak_run (
     run_id BIGSERIAL PRIMARY KEY,
+    run_key TEXT UNIQUE,
     message_id BIGINT NOT NULL,
     channel TEXT NOT NULL,
     attempt INTEGER NOT NULL,
@@ -424,10 +443,17 @@ class _Thief:
                 return
             self.admin.rows(
                 sql.SQL(
-                    "INSERT INTO {s}.soak_run (message_id, channel, attempt, pid, started_at,"
-                    " unlock_at) VALUES (%s, %s, %s, 0, {s}.epoch(), %s) RETURNING run_id"
+                    "INSERT INTO {s}.soak_run (run_key, message_id, channel, attempt, pid,"
+                    " started_at, unlock_at) VALUES (%s, %s, %s, %s, 0, {s}.epoch(), %s)"
+                    " ON CONFLICT (run_key) DO NOTHING"
                 ).format(s=s),
-                (message.id, message.channel, message.num_attempts, message.unlock_at),
+                (
+                    uuid.uuid4().hex,
+                    message.id,
+                    message.channel,
+                    message.num_attempts,
+                    message.unlock_at,
+                ),
             )
             again = False
             deadline = time.monotonic() + 15
