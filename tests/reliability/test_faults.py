@@ -111,12 +111,14 @@ def test_the_async_queue_recovers_after_a_restart(
         async with AsyncQueue(server.dsn, schema=schema_name, pool_size=2) as queue:
             await queue.install()
             await queue.create(b"before")
+            server.restart()  # the pool's idle connection is closed: it must not be lent
+            await queue.create(b"after a restart")
             with pytest.raises(DatabaseUnavailableError):
                 await cut(queue)
             await queue.create(b"after")
             return sum(s.size for s in await queue.stats())
 
-    assert asyncio.run(scenario()) == 2
+    assert asyncio.run(scenario()) == 3
 
 
 def test_a_worker_rides_out_restarts_without_being_restarted(
