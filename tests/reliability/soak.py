@@ -67,6 +67,7 @@ import argparse
 import contextlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -646,6 +647,7 @@ def run_soak(
                 report.problems.append(f"{thief.accepted_stale} stale finishes were accepted")
             report.outage_max_s = max((up - down for down, up in outages), default=0.0) / 1000
             report.resume_max_s = _resume_max_s(admin, schema, outages)
+        shutil.rmtree(workdir, ignore_errors=True)
         _check(admin, queue, schema=schema, created=created, limits=limits, report=report)
     admin.close()
     return report
@@ -762,7 +764,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--dsn", default=os.environ.get("LONNYMQ_TEST_DSN"))
     parser.add_argument("--schema", help="a schema that does not exist yet (default: random)")
-    parser.add_argument("--keep", action="store_true", help="keep the schema afterwards")
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the schema afterwards (with --restart-every: the private server's data)",
+    )
     parser.add_argument("--messages", type=int, default=defaults.messages)
     parser.add_argument("--channels", type=int, default=defaults.channels)
     parser.add_argument("--workers", type=int, default=defaults.workers)
@@ -819,6 +825,8 @@ def main(argv: list[str] | None = None) -> int:
                     conn.execute(
                         sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
                     )
+    if server is not None and not args.keep:
+        shutil.rmtree(server.data_dir.parent, ignore_errors=True)
     print(report.line(), flush=True)
     for problem in report.problems:
         print(f"FAILED: {problem}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from pgserver import RestartableServer
 def server() -> Iterator[RestartableServer]:
     with RestartableServer() as private:
         yield private
+    shutil.rmtree(private.data_dir.parent, ignore_errors=True)
 
 
 @pytest.fixture
