@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from typing import Any, Self
 
 import psycopg
 from psycopg import Connection
+from psycopg.pq import ConnStatus
 from psycopg_pool import ConnectionPool
 
 from . import _core, migrate
@@ -46,6 +48,9 @@ from .types import (
 __all__ = ["Channel", "Message", "Queue"]
 
 Row = tuple[Any, ...]
+
+RECONNECT_GIVE_UP_S = 5.0
+"""Seconds the pool retries one lost connection (1 s backoff, doubling) before giving up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,28 @@ class Message:
     def heartbeat(self, *, lock_ms: int, conn: Connection[Any] | None = None) -> int:
         """Extend the lock to now + ``lock_ms``; returns the new unlock time (ms)."""
         return self.queue.heartbeat(self, lock_ms=lock_ms, conn=conn)
+
+
+def _check_pooled(conn: Connection[Any]) -> None:
+    """Refuse a pooled connection that the server closed while it sat idle (a restart, an
+    administrator's kill): the pool discards it and hands out another, so the first call after
+    the server comes back does not fail. It only polls the socket, no round trip."""
+    pgconn = conn.pgconn
+    # An idle connection receives nothing but notices, notifications or the server's goodbye
+    # (an error message, then the end of the stream: two reads).
+    for _ in range(3):
+        if pgconn.status != ConnStatus.OK:
+            break
+        readable, _, _ = select.select([pgconn.socket], [], [], 0)
+        if not readable:
+            return
+        try:
+            pgconn.consume_input()
+        except psycopg.OperationalError:
+            break
+    else:
+        return
+    raise psycopg.OperationalError("the pooled connection was closed by the server")
 
 
 class Channel:
@@ -250,6 +277,10 @@ class Queue:
                     min_size=1,
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
+                    check=_check_pooled,
+                    # Give up a failing reconnection soon: the next call starts a fresh one
+                    # at once, instead of waiting out an ever longer backoff after an outage.
+                    reconnect_timeout=RECONNECT_GIVE_UP_S,
                     open=False,
                     name=f"lonnymq-{self._schema}",
                 )

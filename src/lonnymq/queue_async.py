@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import select
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any, Self
 
 import psycopg
 from psycopg import AsyncConnection
+from psycopg.pq import ConnStatus
 from psycopg_pool import AsyncConnectionPool
 
 from . import _core, migrate
@@ -45,6 +47,9 @@ from .types import (
 __all__ = ["AsyncChannel", "AsyncMessage", "AsyncQueue"]
 
 Row = tuple[Any, ...]
+
+RECONNECT_GIVE_UP_S = 5.0
+"""Seconds the pool retries one lost connection (1 s backoff, doubling) before giving up."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,28 @@ class AsyncMessage:
     async def heartbeat(self, *, lock_ms: int, conn: AsyncConnection[Any] | None = None) -> int:
         """Extend the lock to now + ``lock_ms``; returns the new unlock time (ms)."""
         return await self.queue.heartbeat(self, lock_ms=lock_ms, conn=conn)
+
+
+async def _check_pooled(conn: AsyncConnection[Any]) -> None:
+    """Refuse a pooled connection that the server closed while it sat idle (a restart, an
+    administrator's kill): the pool discards it and hands out another, so the first call after
+    the server comes back does not fail. It only polls the socket, no round trip."""
+    pgconn = conn.pgconn
+    # An idle connection receives nothing but notices, notifications or the server's goodbye
+    # (an error message, then the end of the stream: two reads).
+    for _ in range(3):
+        if pgconn.status != ConnStatus.OK:
+            break
+        readable, _, _ = select.select([pgconn.socket], [], [], 0)
+        if not readable:
+            return
+        try:
+            pgconn.consume_input()
+        except psycopg.OperationalError:
+            break
+    else:
+        return
+    raise psycopg.OperationalError("the pooled connection was closed by the server")
 
 
 class AsyncChannel:
@@ -249,6 +276,10 @@ class AsyncQueue:
                     min_size=1,
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
+                    check=_check_pooled,
+                    # Give up a failing reconnection soon: the next call starts a fresh one
+                    # at once, instead of waiting out an ever longer backoff after an outage.
+                    reconnect_timeout=RECONNECT_GIVE_UP_S,
                     open=False,
                     name=f"lonnymq-{self._schema}",
                 )
