@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 from lonnymq import Queue
@@ -197,3 +198,23 @@ def test_commit_clears_only_its_write_while_others_stage(
         assert left.fetchone() == (0,)
     contents = [m.content for m in queue.dequeue_many(20, lock_ms=1_000)]
     assert contents == [b"a0", b"a1", b"a2", b"b0", b"b1", b"c0", b"c1", b"c2", b"c3"]
+
+
+def test_commit_refuses_a_bad_staged_row_and_changes_nothing(queue: Queue, admin: Conn) -> None:
+    schema = queue.schema
+    ident = sql.Identifier(schema)
+    _stage_rows(admin, schema, "w", "t", 2)
+    admin.execute(
+        sql.SQL(
+            "INSERT INTO {}.spark_stage (write_id, task_tag, seq, channel, content)"
+            " VALUES ('w', 't', 2, repeat('x', 256), 'bad')"
+        ).format(ident)
+    )
+    with pytest.raises(psycopg.Error, match="channel") as raised:
+        _commit_write(admin, schema, "w", ["t"])
+    assert raised.value.sqlstate == "LQ005"  # an invalid channel name
+    for table, left in (("message", 0), ("channel", 0), ("spark_commit", 0), ("spark_stage", 3)):
+        found = admin.execute(
+            sql.SQL("SELECT count(*) FROM {}.{}").format(ident, sql.Identifier(table))
+        ).fetchone()
+        assert found == (left,), table

@@ -3,8 +3,8 @@
 -- 0008 read the write's staged rows four times besides the INSERT (validation, the per-channel
 -- grouping, the RETURNING of every new row and its grouping, the scan for the slow path) and
 -- cleared staging with a DELETE of every row. Now:
--- * one scan both validates the rows and groups them per channel (row count, earliest due
---   time, whether any row carries a dedup key); the named checks run only when a row is bad;
+-- * one scan both validates the rows and groups them per channel (earliest due time, whether
+--   any row carries a dedup key); the named checks run only when a row is bad;
 -- * the INSERT returns nothing: each channel's earliest new message comes from that scan, and
 --   the one event of the write names the first new message of its channel, looked up by
 --   primary key above an id drawn before the INSERT (every later id of a locked channel is
@@ -65,7 +65,6 @@ DECLARE
     v_now BIGINT;
     v_before channel[];
     v_names TEXT[];
-    v_counts BIGINT[];
     v_min_ats BIGINT[];
     v_keyed BOOLEAN[];
     v_bad BOOLEAN;
@@ -93,16 +92,14 @@ BEGIN
     END IF;
     v_now := epoch();
 
-    -- One pass over the write's rows: per channel, the row count, the earliest due time and
-    -- whether a row carries a dedup key; and whether any row is not a valid message (the test
-    -- of message_check_new).
-    SELECT array_agg(g.name ORDER BY g.name), array_agg(g.n ORDER BY g.name),
-           array_agg(g.min_at ORDER BY g.name), array_agg(g.keyed ORDER BY g.name),
-           coalesce(bool_or(g.bad), FALSE)
-    INTO v_names, v_counts, v_min_ats, v_keyed, v_bad
+    -- One pass over the write's rows: per channel, the earliest due time and whether a row
+    -- carries a dedup key; and whether any row is not a valid message (the test of
+    -- message_check_new).
+    SELECT array_agg(g.name ORDER BY g.name), array_agg(g.min_at ORDER BY g.name),
+           array_agg(g.keyed ORDER BY g.name), coalesce(bool_or(g.bad), FALSE)
+    INTO v_names, v_min_ats, v_keyed, v_bad
     FROM (
-        SELECT coalesce(s.channel, 'default') AS name, count(*) AS n,
-               min(coalesce(s.dequeue_at, v_now)) AS min_at,
+        SELECT coalesce(s.channel, 'default') AS name, min(coalesce(s.dequeue_at, v_now)) AS min_at,
                bool_or(s.dedup_key IS NOT NULL) AS keyed,
                bool_or(NOT coalesce(
                    s.content IS NOT NULL AND octet_length(s.content) <= 67108864
@@ -149,7 +146,7 @@ BEGIN
            array_agg(p.min_at ORDER BY l.name) FILTER (WHERE NOT l.has_policy AND NOT p.keyed)
     INTO v_before, v_fast, v_fast_ats
     FROM locked l
-    JOIN unnest(v_names, v_keyed, v_counts, v_min_ats) AS p(name, keyed, n, min_at)
+    JOIN unnest(v_names, v_keyed, v_min_ats) AS p(name, keyed, min_at)
         ON p.name = l.name;
     v_fast := coalesce(v_fast, ARRAY[]::TEXT[]);
     v_names := coalesce(v_names, ARRAY[]::TEXT[]);
