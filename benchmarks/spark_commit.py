@@ -1,12 +1,13 @@
-"""The Spark write's driver commit alone (no Spark): 0004's ``spark_write_commit`` (every row
-through ``message_create_many``) against the current one, with the staging COPY and a raw
-binary COPY of the same rows for scale, in turns in one run on one PostgreSQL.
+"""The Spark write's driver commit alone (no Spark): 0008's ``spark_write_commit`` (one
+``INSERT … SELECT`` per write, with ``RETURNING``, extra scans and a ``DELETE`` of the staged
+rows) against the current one, with the staging COPY and a raw binary COPY of the same rows for
+scale, in turns in one run on one PostgreSQL.
 
     python benchmarks/spark_commit.py [--dsn DSN] [--rows 200000] [--reps 2]
 
 Rows are staged as two write tasks stage them (two task tags, interleaved), over 100 channels,
-~40-byte contents, no dedup key. 0004's function is created next to the current one (as
-``spark_write_commit_0004``, from the shipped migration's text) in each fresh schema. Each
+~40-byte contents, no dedup key. 0008's function is created next to the current one (as
+``spark_write_commit_0008``, from the shipped migration's text) in each fresh schema. Each
 figure is the median of ``--reps`` runs; the schemas are dropped at the end.
 """
 
@@ -28,14 +29,15 @@ from lonnymq import Queue
 from lonnymq.spark import bench
 
 TAGS = ["p0-a0-t1-00000000", "p1-a0-t2-00000000"]
-COMMITS = ("spark_write_commit_0004", "spark_write_commit")
+COMMITS = ("spark_write_commit_0008", "spark_write_commit")
 
 
 def _old_commit() -> str:
-    text = resources.files("lonnymq").joinpath("sql/migrations/0004_spark.sql").read_text()
-    found = re.search(r"CREATE FUNCTION spark_write_commit\(.*?\n\$\$;\n", text, re.S)
+    path = "sql/migrations/0008_spark_fast_promote.sql"
+    text = resources.files("lonnymq").joinpath(path).read_text()
+    found = re.search(r"CREATE OR REPLACE FUNCTION spark_write_commit\(.*?\n\$\$;", text, re.S)
     assert found is not None
-    return found[0].replace("spark_write_commit", "spark_write_commit_0004")
+    return found[0].replace("spark_write_commit", "spark_write_commit_0008")
 
 
 def _stage(conn: psycopg.Connection[Any], schema: str, rows: int) -> float:

@@ -147,6 +147,12 @@ def test_plain_channels_land_in_order_due_and_announced_once(
     assert len(events) == 1
     assert events[0]["type"] == "created"
     assert events[0]["channel"] == "b"
+    # ... naming the first new message of that channel.
+    first_b = admin.execute(
+        sql.SQL("SELECT id FROM {}.message WHERE content = 'b0'").format(sql.Identifier(schema))
+    ).fetchone()
+    assert first_b is not None
+    assert events[0]["id"] == first_b[0]
 
     taken = queue.dequeue_many(20, lock_ms=HOUR_MS)
     per_channel: dict[str, list[bytes]] = {}

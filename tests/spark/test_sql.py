@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 from lonnymq import Queue
@@ -147,3 +148,73 @@ def test_public_names_exist_and_are_documented() -> None:
     for name in lonnymq.spark.__all__:
         value = getattr(lonnymq.spark, name)
         assert value.__doc__, f"lonnymq.spark.{name} has no docstring"
+
+
+def _stage_rows(conn: Conn, schema: str, write_id: str, tag: str, n: int) -> None:
+    ident = sql.Identifier(schema)
+    with (
+        conn.cursor() as cursor,
+        cursor.copy(
+            sql.SQL(
+                "COPY {}.spark_stage (write_id, task_tag, seq, channel, content) FROM STDIN"
+            ).format(ident)
+        ) as copy,
+    ):
+        for seq in range(n):
+            copy.write_row((write_id, tag, seq, "c", f"{write_id}{seq}".encode()))
+    _call(conn, schema, "spark_stage_record", {"write_id": write_id, "task_tag": tag, "n_rows": n})
+
+
+def _commit_write(conn: Conn, schema: str, write_id: str, tags: list[str]) -> list[Any]:
+    params = {"sink_id": write_id, "batch_id": 0, "write_id": write_id, "task_tags": tags}
+    return _call(conn, schema, "spark_write_commit", params)
+
+
+def test_commit_clears_only_its_write_while_others_stage(
+    dsn: str, queue: Queue, admin: Conn
+) -> None:
+    schema = queue.schema
+    ident = sql.Identifier(schema)
+    _stage_rows(admin, schema, "a", "t", 3)
+    _stage_rows(admin, schema, "b", "t", 2)
+    # A task of write c is still COPYing (its transaction is open): the commit of a must
+    # neither wait for it nor remove its rows.
+    with psycopg.connect(dsn) as task:
+        _stage_rows(task, schema, "c", "t", 4)
+        assert _commit_write(admin, schema, "a", ["t"]) == [(True, 3, 3, 0, 0, [])]
+        task.commit()
+    counts = admin.execute(
+        sql.SQL("SELECT write_id, count(*) FROM {}.spark_stage GROUP BY 1 ORDER BY 1").format(ident)
+    ).fetchall()
+    assert counts == [("b", 2), ("c", 4)]
+    assert _commit_write(admin, schema, "b", ["t"]) == [(True, 2, 2, 0, 0, [])]
+    # Alone in staging now (a lost attempt of c included): emptied whole.
+    _stage_rows(admin, schema, "c", "lost", 1)
+    assert _commit_write(admin, schema, "c", ["t"]) == [(True, 4, 4, 0, 0, [])]
+    for table in ("spark_stage", "spark_stage_task"):
+        left = admin.execute(
+            sql.SQL("SELECT count(*) FROM {}.{}").format(ident, sql.Identifier(table))
+        )
+        assert left.fetchone() == (0,)
+    contents = [m.content for m in queue.dequeue_many(20, lock_ms=1_000)]
+    assert contents == [b"a0", b"a1", b"a2", b"b0", b"b1", b"c0", b"c1", b"c2", b"c3"]
+
+
+def test_commit_refuses_a_bad_staged_row_and_changes_nothing(queue: Queue, admin: Conn) -> None:
+    schema = queue.schema
+    ident = sql.Identifier(schema)
+    _stage_rows(admin, schema, "w", "t", 2)
+    admin.execute(
+        sql.SQL(
+            "INSERT INTO {}.spark_stage (write_id, task_tag, seq, channel, content)"
+            " VALUES ('w', 't', 2, repeat('x', 256), 'bad')"
+        ).format(ident)
+    )
+    with pytest.raises(psycopg.Error, match="channel") as raised:
+        _commit_write(admin, schema, "w", ["t"])
+    assert raised.value.sqlstate == "LQ005"  # an invalid channel name
+    for table, left in (("message", 0), ("channel", 0), ("spark_commit", 0), ("spark_stage", 3)):
+        found = admin.execute(
+            sql.SQL("SELECT count(*) FROM {}.{}").format(ident, sql.Identifier(table))
+        ).fetchone()
+        assert found == (left,), table

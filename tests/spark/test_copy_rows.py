@@ -1,0 +1,129 @@
+"""The task side's binary COPY stream, built from Arrow columns: what it stages is what each
+row holds, for every column type and NULL the writer accepts (no Spark needed)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import psycopg
+import pyarrow as pa
+import pytest
+from psycopg import sql
+
+from lonnymq import Queue
+from lonnymq.errors import InvalidArgumentError
+from lonnymq.spark import _write
+from lonnymq.spark._options import ColumnInfo, write_options
+
+UTC = dt.UTC
+
+
+def _staged(admin: psycopg.Connection[Any], schema: str, task_tag: str) -> list[tuple[Any, ...]]:
+    return admin.execute(
+        sql.SQL(
+            "SELECT seq, channel, content, dequeue_at, dedup_key FROM {}.spark_stage"
+            " WHERE write_id = 'w' AND task_tag = %s ORDER BY seq"
+        ).format(sql.Identifier(schema)),
+        [task_tag],
+    ).fetchall()
+
+
+def _options(dsn: str, schema: str, columns: dict[str, str], **extra: str) -> Any:
+    infos = [ColumnInfo(name, kind) for name, kind in columns.items()]
+    return write_options({"dsn": dsn, "schema": schema, **extra}, infos, streaming=False)
+
+
+def test_columns_with_nulls_and_several_batches(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str
+) -> None:
+    first = pa.record_batch(
+        {
+            "channel": pa.array(["a", None, "ché", "b"]),
+            "content": pa.array([b"\x00\xff", b"", b"x" * 1000, b"\\\n"], pa.binary()),
+            "dequeue_at": pa.array([None, -5, 2**40, 0], pa.int64()),
+            "dedup_key": pa.array(["k1", None, "ключ", None]),
+        }
+    )
+    # A slice: Arrow arrays that do not start at their buffers' beginning.
+    second = pa.record_batch(
+        {
+            "channel": pa.array(["z", "c", "d"]),
+            "content": pa.array([b"skip", b"one", b"two"], pa.binary()),
+            "dequeue_at": pa.array([1, 7, None], pa.int64()),
+            "dedup_key": pa.array(["s", None, "k2"]),
+        }
+    ).slice(1)
+    empty = first.slice(0, 0)
+    opts = _options(
+        dsn,
+        schema_name,
+        {"channel": "string", "content": "binary", "dequeue_at": "integer", "dedup_key": "string"},
+    )
+    assert _write.stage(opts, "w", "t1", iter([first, empty, second])) == 6
+    assert _staged(admin, schema_name, "t1") == [
+        (0, "a", b"\x00\xff", None, "k1"),
+        (1, None, b"", -5, None),
+        (2, "ché", b"x" * 1000, 2**40, "ключ"),
+        (3, "b", b"\\\n", 0, None),
+        (4, "c", b"one", 7, None),
+        (5, "d", b"two", None, "k2"),
+    ]
+
+
+def test_string_content_timestamps_and_a_fixed_channel(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str
+) -> None:
+    at = dt.datetime(2026, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
+    batch = pa.record_batch(
+        {
+            "content": pa.array(["héllo", "{}"]),
+            "at": pa.array([at, None], pa.timestamp("us", tz="UTC")),
+            "n": pa.array([1, 2], pa.int32()),
+        }
+    )
+    opts = _options(
+        dsn,
+        schema_name,
+        {"content": "string", "at": "timestamp", "n": "integer"},
+        channel="fixed",
+        dequeueAtColumn="at",
+    )
+    assert _write.stage(opts, "w", "t2", iter([batch])) == 2
+    ms = int(at.timestamp() * 1000)
+    assert _staged(admin, schema_name, "t2") == [
+        (0, "fixed", "héllo".encode(), ms, None),
+        (1, "fixed", b"{}", None, None),
+    ]
+
+
+def test_json_content_and_no_channel(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str
+) -> None:
+    batch = pa.record_batch(
+        {"n": pa.array([1, None], pa.int64()), "s": pa.array(["x", "y"]), "when": [5, 6]}
+    )
+    opts = _options(
+        dsn,
+        schema_name,
+        {"n": "integer", "s": "string", "when": "integer"},
+        contentFormat="json",
+        dequeueAtColumn="when",
+    )
+    assert _write.stage(opts, "w", "t3", iter([batch])) == 2
+    rows = _staged(admin, schema_name, "t3")
+    assert [(r[0], r[1], json.loads(r[2]), r[3], r[4]) for r in rows] == [
+        (0, None, {"n": 1, "s": "x"}, 5, None),
+        (1, None, {"n": None, "s": "y"}, 6, None),
+    ]
+
+
+def test_null_content_is_refused_and_stages_nothing(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str
+) -> None:
+    batch = pa.record_batch({"content": pa.array([b"a", None], pa.binary())})
+    opts = _options(dsn, schema_name, {"content": "binary"})
+    with pytest.raises(InvalidArgumentError, match="null value"):
+        _write.stage(opts, "w", "t4", iter([batch]))
+    assert _staged(admin, schema_name, "t4") == []
