@@ -9,12 +9,10 @@ These tests run on a private server of their own (``pgserver.py``), whatever
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import psycopg
 import pytest
@@ -26,6 +24,7 @@ from lonnymq.worker import Worker
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pgserver import RestartableServer
+from test_soak import soak
 
 
 @pytest.fixture(scope="module")
@@ -154,22 +153,10 @@ def test_a_worker_rides_out_restarts_without_being_restarted(
     assert rows == [("completed", 30, 30)]
 
 
-def _load_soak() -> ModuleType:
-    path = Path(__file__).with_name("soak.py")
-    spec = importlib.util.spec_from_file_location("lonnymq_soak_faults", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_restarts_during_the_soak_lose_nothing_and_finish_nothing_twice(
     server: RestartableServer, schema_name: str
 ) -> None:
-    soak = _load_soak()
     config = soak.SoakConfig(
         messages=1_000,
         workers=3,
