@@ -351,6 +351,29 @@ class Queue:
         with pool.connection() as pooled:
             return self._install_on(pooled, archive)
 
+    def _migrate_on(self, conn: Connection[Any]) -> int:
+        """Apply the missing migrations (the caller holds a transaction); the version after."""
+        conn.execute(migrate.lock_statement(), {"schema": self._schema})
+        for statement in migrate.prepare_statements(self._schema):
+            conn.execute(statement)
+        cursor = conn.execute(migrate.applied_statement(self._schema))
+        row = cursor.fetchone()
+        current = int(row[0]) if row is not None else 0
+        latest = migrate.latest_version()
+        if current > latest:
+            raise SchemaVersionError(
+                f"schema {self._schema!r} is at version {current}, newer than this "
+                f"lonnymq knows ({latest}): upgrade the lonnymq package"
+            )
+        for migration in migrate.migrations():
+            if migration.version <= current:
+                continue
+            conn.execute(migrate.search_path_statement(self._schema))
+            conn.execute(migration.sql.encode())
+            conn.execute(migrate.record_statement(self._schema, migration))
+            current = migration.version
+        return current
+
     def _install_on(self, conn: Connection[Any], archive: bool | None) -> int:
         started = perf_counter()
         ok = False
@@ -360,32 +383,8 @@ class Queue:
                 row = cursor.fetchone()
                 if row is not None and row[0] is False:
                     current = self._installed_version(conn)
-                    if self._event_channel is not None or archive is not None:
-                        conn.execute(
-                            self._sql["config_set"],
-                            {"event_channel": self._event_channel, "archive": archive},
-                        )
-                    ok = True
-                    return current
-                conn.execute(migrate.lock_statement(), {"schema": self._schema})
-                for statement in migrate.prepare_statements(self._schema):
-                    conn.execute(statement)
-                cursor = conn.execute(migrate.applied_statement(self._schema))
-                row = cursor.fetchone()
-                current = int(row[0]) if row is not None else 0
-                latest = migrate.latest_version()
-                if current > latest:
-                    raise SchemaVersionError(
-                        f"schema {self._schema!r} is at version {current}, newer than this "
-                        f"lonnymq knows ({latest}): upgrade the lonnymq package"
-                    )
-                for migration in migrate.migrations():
-                    if migration.version <= current:
-                        continue
-                    conn.execute(migrate.search_path_statement(self._schema))
-                    conn.execute(migration.sql.encode())
-                    conn.execute(migrate.record_statement(self._schema, migration))
-                    current = migration.version
+                else:
+                    current = self._migrate_on(conn)
                 if self._event_channel is not None or archive is not None:
                     conn.execute(
                         self._sql["config_set"],

@@ -354,6 +354,29 @@ class AsyncQueue:
         async with pool.connection() as pooled:
             return await self._install_on(pooled, archive)
 
+    async def _migrate_on(self, conn: AsyncConnection[Any]) -> int:
+        """Apply the missing migrations (the caller holds a transaction); the version after."""
+        await conn.execute(migrate.lock_statement(), {"schema": self._schema})
+        for statement in migrate.prepare_statements(self._schema):
+            await conn.execute(statement)
+        cursor = await conn.execute(migrate.applied_statement(self._schema))
+        row = await cursor.fetchone()
+        current = int(row[0]) if row is not None else 0
+        latest = migrate.latest_version()
+        if current > latest:
+            raise SchemaVersionError(
+                f"schema {self._schema!r} is at version {current}, newer than this "
+                f"lonnymq knows ({latest}): upgrade the lonnymq package"
+            )
+        for migration in migrate.migrations():
+            if migration.version <= current:
+                continue
+            await conn.execute(migrate.search_path_statement(self._schema))
+            await conn.execute(migration.sql.encode())
+            await conn.execute(migrate.record_statement(self._schema, migration))
+            current = migration.version
+        return current
+
     async def _install_on(self, conn: AsyncConnection[Any], archive: bool | None) -> int:
         started = perf_counter()
         ok = False
@@ -365,32 +388,8 @@ class AsyncQueue:
                 row = await cursor.fetchone()
                 if row is not None and row[0] is False:
                     current = await self._installed_version(conn)
-                    if self._event_channel is not None or archive is not None:
-                        await conn.execute(
-                            self._sql["config_set"],
-                            {"event_channel": self._event_channel, "archive": archive},
-                        )
-                    ok = True
-                    return current
-                await conn.execute(migrate.lock_statement(), {"schema": self._schema})
-                for statement in migrate.prepare_statements(self._schema):
-                    await conn.execute(statement)
-                cursor = await conn.execute(migrate.applied_statement(self._schema))
-                row = await cursor.fetchone()
-                current = int(row[0]) if row is not None else 0
-                latest = migrate.latest_version()
-                if current > latest:
-                    raise SchemaVersionError(
-                        f"schema {self._schema!r} is at version {current}, newer than this "
-                        f"lonnymq knows ({latest}): upgrade the lonnymq package"
-                    )
-                for migration in migrate.migrations():
-                    if migration.version <= current:
-                        continue
-                    await conn.execute(migrate.search_path_statement(self._schema))
-                    await conn.execute(migration.sql.encode())
-                    await conn.execute(migrate.record_statement(self._schema, migration))
-                    current = migration.version
+                else:
+                    current = await self._migrate_on(conn)
                 if self._event_channel is not None or archive is not None:
                     await conn.execute(
                         self._sql["config_set"],
