@@ -19,7 +19,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import NewMessage, Queue
+from lonnymq import AckStatus, NewMessage, Queue
 
 Conn = psycopg.Connection[Any]
 Event = dict[str, Any]
@@ -233,6 +233,23 @@ def test_delete_that_frees_a_saturated_channel_publishes_ready(
     assert (payloads[0]["type"], payloads[0]["channel"]) == ("ready", "a")
     assert payloads[0]["id"] is None
     assert payloads[0]["dequeue_at"] <= before
+
+
+def test_a_batch_that_frees_a_saturated_channel_publishes_ready_once(
+    equeue: Queue, listener: Listener
+) -> None:
+    equeue.channel("a").set_policy(max_concurrency=2)
+    equeue.channel("b").set_policy(max_concurrency=5)
+    for i in range(3):
+        equeue.create(f"a{i}".encode(), channel="a")
+        equeue.create(f"b{i}".encode(), channel="b")
+    held = equeue.dequeue_many(10, lock_ms=HOUR_MS)
+    assert sorted(m.channel for m in held) == ["a", "a", "b", "b", "b"]
+    listener.payloads()
+    assert equeue.delete_many(held) == [AckStatus.OK] * 5
+    payloads = listener.payloads()
+    assert [(p["type"], p["channel"], p["id"]) for p in payloads] == [("ready", "a", None)]
+    assert [m.content for m in equeue.dequeue_many(10, lock_ms=HOUR_MS)] == [b"a2"]
 
 
 def test_raising_the_concurrency_of_a_saturated_channel_publishes_ready(
