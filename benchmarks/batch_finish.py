@@ -1,0 +1,113 @@
+"""A batch finish (``message_delete_many``) before and after 0015, side by side in one run on
+one PostgreSQL: the loop of 0002 (one ``message_finish_try`` per id) against the set-based
+function of 0015.
+
+    python benchmarks/batch_finish.py [--dsn DSN] [--batch 100] [--channels 1 100 100000]
+                                      [--calls 100] [--rounds 3]
+
+One client. In a fresh schema per channel count, holding 60,000 policy-free messages, each call
+locks ``--batch`` messages (``message_dequeue_many``, one transaction) and finishes them (one
+transaction) with one function or the other, in alternating rounds of ``--calls`` calls; only
+the finish is timed. 0002's function is created next to the current one (as
+``message_delete_many_0002``, from the shipped migration's text). The figure per function is
+the median over rounds of the mean milliseconds per finish call. The schemas are dropped at the
+end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import time
+import uuid
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from lonnymq import Queue
+
+FUNCTIONS = ("message_delete_many_0002", "message_delete_many")
+BACKLOG = 60_000
+
+
+def _old_function() -> str:
+    path = "sql/migrations/0002_fast_paths.sql"
+    text = resources.files("lonnymq").joinpath(path).read_text()
+    found = re.search(r"CREATE OR REPLACE FUNCTION message_delete_many\(.*?\n\$\$;", text, re.S)
+    assert found is not None
+    return found[0].replace("message_delete_many", "message_delete_many_0002")
+
+
+def _round(
+    conn: psycopg.Connection[Any], schema: str, function: str, batch: int, calls: int
+) -> float:
+    ident = sql.Identifier(schema)
+    take = sql.SQL("SELECT id, num_attempts FROM {}.message_dequeue_many(%s, 60000)").format(ident)
+    finish = sql.SQL("SELECT count(*) FROM {}.{}(%s, %s)").format(ident, sql.Identifier(function))
+    spent = 0.0
+    for _ in range(calls):
+        rows = conn.execute(take, [batch]).fetchall()
+        if not rows or rows[0][0] is None:
+            raise RuntimeError("the backlog ran out: use fewer --calls or --rounds")
+        started = time.perf_counter()
+        conn.execute(finish, [[r[0] for r in rows], [r[1] for r in rows]]).fetchall()
+        spent += time.perf_counter() - started
+    return spent * 1000 / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dsn", default=os.environ.get("LONNYMQ_DSN"))
+    parser.add_argument("--batch", type=int, default=100)
+    parser.add_argument("--channels", type=int, nargs="+", default=[1, 100, 100_000])
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if not args.dsn:
+        parser.error("--dsn (or LONNYMQ_DSN) is required")
+    if 2 * args.rounds * args.calls * args.batch > BACKLOG:
+        parser.error(f"rounds x calls x batch x 2 must not exceed the backlog of {BACKLOG:,}")
+    for channels in args.channels:
+        schema = f"lonnymq_bench_finish_{uuid.uuid4().hex[:8]}"
+        try:
+            with Queue(args.dsn, schema=schema) as queue:
+                queue.install()
+            with psycopg.connect(args.dsn, autocommit=True) as conn:
+                ident = sql.Identifier(schema)
+                conn.execute(sql.SQL("SET search_path = {}").format(ident))
+                conn.execute(_old_function().encode())
+                conn.execute(
+                    sql.SQL(
+                        "SELECT count(*) FROM {}.message_create_many("
+                        "ARRAY(SELECT 'c' || (g %% %s) FROM generate_series(1, %s) g), "
+                        "array_fill('\\x00'::bytea, ARRAY[%s]), NULL, NULL)"
+                    ).format(ident),
+                    [channels, BACKLOG, BACKLOG],
+                )
+                conn.execute(sql.SQL("ANALYZE {}.message").format(ident))
+                conn.execute(sql.SQL("ANALYZE {}.channel").format(ident))
+                times: dict[str, list[float]] = {f: [] for f in FUNCTIONS}
+                for _ in range(args.rounds):
+                    for function in FUNCTIONS:
+                        times[function].append(
+                            _round(conn, schema, function, args.batch, args.calls)
+                        )
+                old, new = (statistics.median(times[f]) for f in FUNCTIONS)
+                print(
+                    f"{channels:>7,} channels, batches of {args.batch}: 0002 {old:.2f} ms, "
+                    f"0015 {new:.2f} ms per finish ({old / new:.1f}x); rounds: "
+                    + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(*times.values(), strict=True))
+                )
+        finally:
+            with psycopg.connect(args.dsn, autocommit=True) as conn:
+                conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+                )
+
+
+if __name__ == "__main__":
+    main()
