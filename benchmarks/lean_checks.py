@@ -1,0 +1,150 @@
+"""Migration 0016 (argument checks in one expression) side by side with the functions it
+replaced, in one run on one PostgreSQL.
+
+    python benchmarks/lean_checks.py [--dsn DSN] [--seconds 4] [--rounds 3] [--clients 1]
+
+Two fresh schemas: one as installed, one where the six functions 0016 changed are put back as
+the earlier migrations defined them (read from the shipped migration files). pgbench drives
+four calls in each schema, in alternating rounds: ``message_create`` (one message, 100
+channels), ``message_create_many`` (100 messages over 100 channels),
+``message_complete_and_dequeue`` finishing and taking one, and finishing and taking 100, over
+a backlog of 200,000 messages in 100 channels. Each figure is the median over rounds of
+pgbench's calls per second. The schemas are dropped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import uuid
+from importlib import resources
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+from lonnymq import Queue
+from lonnymq.bench import pgbench_path
+
+# (migration file, function) as it was before 0016.
+BEFORE = [
+    ("0001_init.sql", "arg_check_lock_ms", "CREATE FUNCTION"),
+    ("0001_init.sql", "arg_check_claim", "CREATE FUNCTION"),
+    ("0002_fast_paths.sql", "message_create", "CREATE OR REPLACE FUNCTION"),
+    ("0010_lean_calls.sql", "message_complete_and_dequeue", "CREATE OR REPLACE FUNCTION"),
+    ("0011_due_channels.sql", "message_dequeue_many", "CREATE OR REPLACE FUNCTION"),
+    ("0011_due_channels.sql", "message_create_many", "CREATE OR REPLACE FUNCTION"),
+]
+
+SCRIPTS = {
+    "create 1": (
+        "\\set c random(1, 100)\nSELECT * FROM {s}.message_create('\\x00'::bytea, 'c' || :c);\n"
+    ),
+    "create 100": (
+        "SELECT count(*) FROM {s}.message_create_many("
+        "ARRAY(SELECT 'c' || (1 + floor(random() * 100))::int FROM generate_series(1, 100)), "
+        "array_fill('\\x00'::bytea, ARRAY[100]), NULL, NULL);\n"
+    ),
+    "finish+take 1": (
+        "SELECT coalesce(max(id) FILTER (WHERE status = 'locked'), 0) AS id, "
+        "coalesce(max(num_attempts) FILTER (WHERE status = 'locked'), 0) AS na "
+        "FROM {s}.message_complete_and_dequeue("
+        "CASE WHEN :id = 0 THEN '{{}}' ELSE ARRAY[:id] END::bigint[], "
+        "CASE WHEN :id = 0 THEN '{{}}' ELSE ARRAY[:na] END::int[], 1, 60000) \\gset\n"
+    ),
+    "finish+take 100": (
+        "SELECT coalesce(array_agg(id) FILTER (WHERE status = 'locked'), '{{}}') AS ids, "
+        "coalesce(array_agg(num_attempts) FILTER (WHERE status = 'locked'), '{{}}') AS nas "
+        "FROM {s}.message_complete_and_dequeue(':ids'::bigint[], ':nas'::int[], 100, 60000) "
+        "\\gset\n"
+    ),
+}
+
+
+def _before_text() -> str:
+    parts = []
+    for path, name, create in BEFORE:
+        text = resources.files("lonnymq").joinpath(f"sql/migrations/{path}").read_text()
+        found = re.search(rf"{create} {name}\(.*?\n\$\$;", text, re.S)
+        assert found is not None, (path, name)
+        parts.append(found[0].replace(create, "CREATE OR REPLACE FUNCTION", 1))
+    return "\n".join(parts) + "\nSELECT secure_functions();\n"
+
+
+def _tps(pgbench: str, script: Path, dsn: str, clients: int, seconds: int) -> float:
+    args = [
+        pgbench, "-n", "-c", str(clients), "-j", "1", "-T", str(seconds), "-f", str(script),
+        "-D", "id=0", "-D", "na=0", "-D", "ids={}", "-D", "nas={}", dsn,
+    ]  # fmt: skip
+    output = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    found = re.search(r"tps = ([0-9.]+)", output)
+    if found is None:
+        raise RuntimeError(f"pgbench printed no rate:\n{output[-2000:]}")
+    return float(found[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dsn", default=os.environ.get("LONNYMQ_DSN"))
+    parser.add_argument("--seconds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=1)
+    args = parser.parse_args()
+    if not args.dsn:
+        parser.error("--dsn (or LONNYMQ_DSN) is required")
+    pgbench = pgbench_path()
+    tmp = Path(tempfile.mkdtemp(prefix="lonnymq-lean-"))
+    schemas = {
+        label: f"lonnymq_bench_{label}_{uuid.uuid4().hex[:8]}" for label in ("before", "0016")
+    }
+    try:
+        for label, schema in schemas.items():
+            with Queue(args.dsn, schema=schema) as queue:
+                queue.install()
+            with psycopg.connect(args.dsn, autocommit=True) as conn:
+                ident = sql.Identifier(schema)
+                if label == "before":
+                    conn.execute(sql.SQL("SET search_path = {}").format(ident))
+                    conn.execute(_before_text().encode())
+                for _ in range(2):  # at most 100,000 per call
+                    conn.execute(
+                        sql.SQL(
+                            "SELECT count(*) FROM {}.message_create_many("
+                            "ARRAY(SELECT 'c' || (g % 100) FROM generate_series(1, 100000) g), "
+                            "array_fill('\\x00'::bytea, ARRAY[100000]), NULL, NULL)"
+                        ).format(ident)
+                    )
+                conn.execute(sql.SQL("ANALYZE {}.message").format(ident))
+        rates: dict[tuple[str, str], list[float]] = {}
+        for _ in range(args.rounds):
+            for call, text in SCRIPTS.items():
+                for label, schema in schemas.items():
+                    script = tmp / f"{label}-{call.replace(' ', '_').replace('+', '_')}.sql"
+                    script.write_text(text.format(s=sql.Identifier(schema).as_string()))
+                    rate = _tps(pgbench, script, args.dsn, args.clients, args.seconds)
+                    rates.setdefault((call, label), []).append(rate)
+        print(f"calls/s, {args.clients} client(s), median of {args.rounds} rounds:")
+        for call in SCRIPTS:
+            before, after = (statistics.median(rates[call, label]) for label in schemas)
+            rounds = ", ".join(
+                f"{a:,.0f}/{b:,.0f}"
+                for a, b in zip(rates[call, "before"], rates[call, "0016"], strict=True)
+            )
+            print(
+                f"  {call:<16} before {before:>8,.0f}  0016 {after:>8,.0f}  "
+                f"({after / before:.2f}x; rounds {rounds})"
+            )
+    finally:
+        with psycopg.connect(args.dsn, autocommit=True) as conn:
+            for schema in schemas.values():
+                conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+                )
+
+
+if __name__ == "__main__":
+    main()
