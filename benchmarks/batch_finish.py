@@ -18,28 +18,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import time
 import uuid
-from importlib import resources
 from typing import Any
 
 import psycopg
+from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
 
 FUNCTIONS = ("message_delete_many_0002", "message_delete_many")
 BACKLOG = 60_000
-
-
-def _old_function() -> str:
-    path = "sql/migrations/0002_fast_paths.sql"
-    text = resources.files("lonnymq").joinpath(path).read_text()
-    found = re.search(r"CREATE OR REPLACE FUNCTION message_delete_many\(.*?\n\$\$;", text, re.S)
-    assert found is not None
-    return found[0].replace("message_delete_many", "message_delete_many_0002")
 
 
 def _round(
@@ -79,7 +70,9 @@ def main() -> None:
             with psycopg.connect(args.dsn, autocommit=True) as conn:
                 ident = sql.Identifier(schema)
                 conn.execute(sql.SQL("SET search_path = {}").format(ident))
-                conn.execute(_old_function().encode())
+                conn.execute(
+                    function_text("0002_fast_paths.sql", FUNCTIONS[1], FUNCTIONS[0]).encode()
+                )
                 conn.execute(
                     sql.SQL(
                         "SELECT count(*) FROM {}.message_create_many("

@@ -21,10 +21,10 @@ import statistics
 import subprocess
 import tempfile
 import uuid
-from importlib import resources
 from pathlib import Path
 
 import psycopg
+from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
@@ -32,12 +32,12 @@ from lonnymq.bench import pgbench_path
 
 # (migration file, function) as it was before 0016.
 BEFORE = [
-    ("0001_init.sql", "arg_check_lock_ms", "CREATE FUNCTION"),
-    ("0001_init.sql", "arg_check_claim", "CREATE FUNCTION"),
-    ("0002_fast_paths.sql", "message_create", "CREATE OR REPLACE FUNCTION"),
-    ("0010_lean_calls.sql", "message_complete_and_dequeue", "CREATE OR REPLACE FUNCTION"),
-    ("0011_due_channels.sql", "message_dequeue_many", "CREATE OR REPLACE FUNCTION"),
-    ("0011_due_channels.sql", "message_create_many", "CREATE OR REPLACE FUNCTION"),
+    ("0001_init.sql", "arg_check_lock_ms"),
+    ("0001_init.sql", "arg_check_claim"),
+    ("0002_fast_paths.sql", "message_create"),
+    ("0010_lean_calls.sql", "message_complete_and_dequeue"),
+    ("0011_due_channels.sql", "message_dequeue_many"),
+    ("0011_due_channels.sql", "message_create_many"),
 ]
 
 SCRIPTS = {
@@ -66,12 +66,7 @@ SCRIPTS = {
 
 
 def _before_text() -> str:
-    parts = []
-    for path, name, create in BEFORE:
-        text = resources.files("lonnymq").joinpath(f"sql/migrations/{path}").read_text()
-        found = re.search(rf"{create} {name}\(.*?\n\$\$;", text, re.S)
-        assert found is not None, (path, name)
-        parts.append(found[0].replace(create, "CREATE OR REPLACE FUNCTION", 1))
+    parts = [function_text(migration, name) for migration, name in BEFORE]
     return "\n".join(parts) + "\nSELECT secure_functions();\n"
 
 

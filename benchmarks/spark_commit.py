@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import time
 import uuid
-from importlib import resources
 from typing import Any
 
 import psycopg
+from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
@@ -30,14 +29,6 @@ from lonnymq.spark import bench
 
 TAGS = ["p0-a0-t1-00000000", "p1-a0-t2-00000000"]
 COMMITS = ("spark_write_commit_0008", "spark_write_commit")
-
-
-def _old_commit() -> str:
-    path = "sql/migrations/0008_spark_fast_promote.sql"
-    text = resources.files("lonnymq").joinpath(path).read_text()
-    found = re.search(r"CREATE OR REPLACE FUNCTION spark_write_commit\(.*?\n\$\$;", text, re.S)
-    assert found is not None
-    return found[0].replace("spark_write_commit", "spark_write_commit_0008")
 
 
 def _stage(conn: psycopg.Connection[Any], schema: str, rows: int) -> float:
@@ -73,7 +64,7 @@ def main() -> None:
     if not args.dsn:
         parser.error("--dsn (or LONNYMQ_DSN) is required")
     rows = args.rows - args.rows % 2
-    old = _old_commit()
+    old = function_text("0008_spark_fast_promote.sql", COMMITS[1], COMMITS[0])
     times: dict[str, list[float]] = {"staging COPY": [], "raw COPY": []}
     times |= {name: [] for name in COMMITS}
     schemas: list[str] = []
