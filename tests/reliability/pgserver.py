@@ -12,6 +12,7 @@ import contextlib
 import logging
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -43,6 +44,9 @@ class RestartableServer:
             )
         self.dsn: str = str(self._server.get_uri())
         self.restarts = 0
+        # One pg_ctl at a time: a restart asked for while another is still waiting for its
+        # server would stop that server under it.
+        self._control = threading.RLock()
 
     def __enter__(self) -> Self:
         return self
@@ -56,18 +60,32 @@ class RestartableServer:
         self.stop()
 
     def _pg_ctl(self, *args: str, timeout: float = 120) -> None:
-        _commands.pg_ctl(  # type: ignore[attr-defined]
-            list(args), pgdata=self.data_dir, user=self._server.system_user, timeout=timeout
-        )
+        with self._control:
+            try:
+                _commands.pg_ctl(  # type: ignore[attr-defined]
+                    list(args), pgdata=self.data_dir, user=self._server.system_user, timeout=timeout
+                )
+            except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as err:
+                err.add_note(f"the server's log ends with:\n{self.log_tail()}")
+                raise
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines of the server's log (empty when there is none yet)."""
+        try:
+            text = (self.data_dir / "log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
 
     def restart(self) -> float:
         """Restart in immediate mode and wait until a connection succeeds; returns the seconds
         the server was unavailable to this caller."""
         started = time.monotonic()
         log = str(self.data_dir / "log")
-        self._pg_ctl("-w", "-t", "120", "-m", "immediate", "-l", log, "restart")
-        self.restarts += 1
-        self.wait_ready()
+        with self._control:
+            self._pg_ctl("-w", "-t", "100", "-m", "immediate", "-l", log, "restart")
+            self.restarts += 1
+            self.wait_ready()
         return time.monotonic() - started
 
     def kill(self) -> None:
@@ -78,8 +96,11 @@ class RestartableServer:
         """Start the server stopped by :meth:`kill`, on the same socket, and wait for it."""
         socket_dir = conninfo_to_dict(self.dsn)["host"]
         log = str(self.data_dir / "log")
-        self._pg_ctl("-w", "-t", "120", "-o", '-h ""', "-o", f"-k {socket_dir}", "-l", log, "start")
-        self.wait_ready()
+        with self._control:
+            self._pg_ctl(
+                "-w", "-t", "100", "-o", '-h ""', "-o", f"-k {socket_dir}", "-l", log, "start"
+            )
+            self.wait_ready()
 
     def wait_ready(self, timeout_s: float = 120) -> None:
         """Wait until the server accepts a connection and runs a query."""
