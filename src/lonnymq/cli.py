@@ -97,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--json", action="store_true", help="print JSON lines")
 
+    maintain = commands.add_parser(
+        "maintain", help="vacuum the queue's high-churn tables if they need it (as their owner)"
+    )
+    maintain.add_argument("--json", action="store_true", help="print a JSON object")
+
     create = commands.add_parser(
         "create", help="create messages: one per argument, or one per line of standard input"
     )
@@ -140,6 +145,13 @@ def _parser() -> argparse.ArgumentParser:
     _option(worker, "dead-letter-channel", "move messages that fail for good here")
     _option(worker, "grace-s", "seconds running handlers get on SIGTERM", type=float, default=30.0)
     _option(worker, "heartbeat-ms", "lock renewal period (default lock-ms / 3)", type=int)
+    _option(
+        worker,
+        "maintenance-ms",
+        "how often to vacuum the queue's busiest tables when they need it (0: never)",
+        type=int,
+        default=1_000,
+    )
     _option(worker, "backoff-base-ms", "first retry delay", type=int, default=1_000)
     _option(worker, "backoff-max-ms", "longest retry delay", type=int, default=300_000)
     _option(worker, "backoff-factor", "retry delay growth per attempt", type=float, default=2.0)
@@ -201,6 +213,11 @@ def _parser() -> argparse.ArgumentParser:
         "--spark-only",
         action="store_true",
         help="only the Spark section (batch write against raw COPY, streaming read)",
+    )
+    bench.add_argument(
+        "--no-maintenance",
+        action="store_true",
+        help="time the queues without the vacuuming a worker does (default: both queues get it)",
     )
     bench.add_argument(
         "--out",
@@ -317,6 +334,7 @@ def _run(args: argparse.Namespace) -> int:
             profile="quick" if args.quick else "default",
             out=args.out,
             spark_only=args.spark_only,
+            maintenance=not args.no_maintenance,
         )
         return 0
     if args.command == "demo":
@@ -378,6 +396,17 @@ def _verify(q: Queue, args: argparse.Namespace) -> int:
     else:
         print("consistent: no discrepancies")
     return 1 if found else 0
+
+
+def _maintain(q: Queue, args: argparse.Namespace) -> int:
+    vacuumed = q.maintain()
+    if args.json:
+        print(json.dumps({"vacuumed": vacuumed}))
+    elif vacuumed:
+        print("vacuumed: " + ", ".join(vacuumed))
+    else:
+        print("nothing to do (or not the tables' owner)")
+    return 0
 
 
 def _utf8(text: str, what: str) -> bytes:
@@ -508,6 +537,7 @@ def _worker(q: Queue, args: argparse.Namespace) -> int:
         ),
         "dead_letter_channel": args.dead_letter_channel,
         "grace_s": args.grace_s,
+        "maintenance_ms": args.maintenance_ms or None,
         "metrics": WorkerMetrics(),
     }
     # Where the SQL operation counts come from: the queue the worker runs on.
@@ -744,6 +774,7 @@ COMMANDS: dict[str, Callable[[Queue, argparse.Namespace], int]] = {
     "install": _install,
     "stats": _stats,
     "verify": _verify,
+    "maintain": _maintain,
     "create": _create,
     "policy": _policy,
     "grant": _grant,

@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import psycopg
-from psycopg import Connection
+from psycopg import Connection, sql
 from psycopg.pq import ConnStatus
 from psycopg_pool import ConnectionPool
 
@@ -119,6 +119,15 @@ def _check_pooled(conn: Connection[Any]) -> None:
     raise psycopg.OperationalError("the pooled connection was closed by the server")
 
 
+def _regrow(pool: ConnectionPool) -> None:
+    """The pool gave up on a reconnection (the server stayed down longer than
+    ``RECONNECT_GIVE_UP_S``). The pool grows again only when a new caller arrives, so callers
+    already waiting would sit out their whole timeout after the server is back: when there
+    are any, start a new attempt now (``check()`` grows an empty pool)."""
+    if pool.get_stats().get("requests_waiting", 0):
+        pool.check()
+
+
 class Channel:
     """A channel of a queue: a fair, policy-controlled sub-queue (``queue.channel(name)``)."""
 
@@ -210,6 +219,9 @@ class Queue:
         self._pool: ConnectionPool | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
+        # Set once maintain() was refused: it is not asked again (each refusal is an error in
+        # the server's log, and a worker would ask every second).
+        self._maintain_refused = False
         self._sql = _core.Statements(self._schema)
         self._recorder = Recorder()
 
@@ -278,6 +290,7 @@ class Queue:
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
                     check=_check_pooled,
+                    reconnect_failed=_regrow,
                     # Give up a failing reconnection soon: the next call starts a fresh one
                     # at once, instead of waiting out an ever longer backoff after an outage.
                     reconnect_timeout=RECONNECT_GIVE_UP_S,
@@ -681,6 +694,37 @@ class Queue:
                 pooled.set_isolation_level(None)
                 pooled.set_read_only(None)
         return [_core.discrepancy(row) for row in rows]
+
+    def maintain(self) -> list[str]:
+        """VACUUM the queue's high-churn tables (``channel``, ``message``) that hold enough
+        dead row versions to slow dequeues down; returns the names of those vacuumed. Workers
+        call it every ``maintenance_ms``. It needs the tables' owner (or a superuser): for a
+        role granted a kind it does nothing and returns ``[]`` (after one refusal this queue
+        stops asking). No ``conn``: VACUUM cannot run inside a transaction."""
+        if self._maintain_refused:
+            return []
+        try:
+            rows = self._fetch("maintenance_due", {}, None)
+        except PermissionDeniedError:
+            self._maintain_refused = True
+            return []
+        tables = [str(row[0]) for row in rows]
+        for table in tables:
+            statement = sql.SQL("VACUUM (SKIP_LOCKED) {}").format(
+                sql.Identifier(self._schema, table)
+            )
+            started = perf_counter()
+            ok = False
+            try:
+                pool = self._get_pool()
+                with pool.connection() as pooled:
+                    pooled.execute(statement)
+                ok = True
+            except psycopg.Error as err:
+                raise translate(err, schema=self._schema) from err
+            finally:
+                self._recorder.record("vacuum", perf_counter() - started, ok=ok)
+        return tables
 
     def set_clock_offset(self, offset_ms: int, *, conn: Connection[Any] | None = None) -> int:
         """Move the queue clock by ``offset_ms`` for everyone (tests only); returns the new now."""

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import psycopg
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, sql
 from psycopg.pq import ConnStatus
 from psycopg_pool import AsyncConnectionPool
 
@@ -118,6 +118,15 @@ async def _check_pooled(conn: AsyncConnection[Any]) -> None:
     raise psycopg.OperationalError("the pooled connection was closed by the server")
 
 
+async def _regrow(pool: AsyncConnectionPool) -> None:
+    """The pool gave up on a reconnection (the server stayed down longer than
+    ``RECONNECT_GIVE_UP_S``). The pool grows again only when a new caller arrives, so callers
+    already waiting would sit out their whole timeout after the server is back: when there
+    are any, start a new attempt now (``check()`` grows an empty pool)."""
+    if pool.get_stats().get("requests_waiting", 0):
+        await pool.check()
+
+
 class AsyncChannel:
     """A channel of a queue: a fair, policy-controlled sub-queue (``queue.channel(name)``)."""
 
@@ -209,6 +218,9 @@ class AsyncQueue:
         self._pool: AsyncConnectionPool | None = None
         self._pool_lock = asyncio.Lock()
         self._closed = False
+        # Set once maintain() was refused: it is not asked again (each refusal is an error in
+        # the server's log, and a worker would ask every second).
+        self._maintain_refused = False
         self._sql = _core.Statements(self._schema)
         self._recorder = Recorder()
 
@@ -277,6 +289,7 @@ class AsyncQueue:
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
                     check=_check_pooled,
+                    reconnect_failed=_regrow,
                     # Give up a failing reconnection soon: the next call starts a fresh one
                     # at once, instead of waiting out an ever longer backoff after an outage.
                     reconnect_timeout=RECONNECT_GIVE_UP_S,
@@ -692,6 +705,37 @@ class AsyncQueue:
                 await pooled.set_isolation_level(None)
                 await pooled.set_read_only(None)
         return [_core.discrepancy(row) for row in rows]
+
+    async def maintain(self) -> list[str]:
+        """VACUUM the queue's high-churn tables (``channel``, ``message``) that hold enough
+        dead row versions to slow dequeues down; returns the names of those vacuumed. Workers
+        call it every ``maintenance_ms``. It needs the tables' owner (or a superuser): for a
+        role granted a kind it does nothing and returns ``[]`` (after one refusal this queue
+        stops asking). No ``conn``: VACUUM cannot run inside a transaction."""
+        if self._maintain_refused:
+            return []
+        try:
+            rows = await self._fetch("maintenance_due", {}, None)
+        except PermissionDeniedError:
+            self._maintain_refused = True
+            return []
+        tables = [str(row[0]) for row in rows]
+        for table in tables:
+            statement = sql.SQL("VACUUM (SKIP_LOCKED) {}").format(
+                sql.Identifier(self._schema, table)
+            )
+            started = perf_counter()
+            ok = False
+            try:
+                pool = await self._get_pool()
+                async with pool.connection() as pooled:
+                    await pooled.execute(statement)
+                ok = True
+            except psycopg.Error as err:
+                raise translate(err, schema=self._schema) from err
+            finally:
+                self._recorder.record("vacuum", perf_counter() - started, ok=ok)
+        return tables
 
     async def set_clock_offset(
         self, offset_ms: int, *, conn: AsyncConnection[Any] | None = None

@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -172,6 +174,19 @@ def test_policy_set_show_clear(dsn: str, schema_name: str) -> None:
     assert "InvalidPolicyError" in bad.stderr
     assert _run_in(dsn, schema_name, "policy", "clear", "p").returncode == 0
     assert _run_in(dsn, schema_name, "policy", "show").stdout == ""
+
+
+def test_maintain_vacuums_what_needs_it(
+    dsn: str, make_queue: Any, churn: Callable[[Any, int, int], None]
+) -> None:
+    queue = make_queue()
+    assert json.loads(_run_in(dsn, queue.schema, "maintain", "--json").stdout) == {"vacuumed": []}
+    churn(queue, 3_000, 600)
+    done = _run_in(dsn, queue.schema, "maintain")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "vacuumed: channel, message"
+    again = _run_in(dsn, queue.schema, "maintain")
+    assert again.stdout.strip() == "nothing to do (or not the tables' owner)"
 
 
 def test_worker_command_runs_a_handler_until_idle(

@@ -253,6 +253,24 @@ def test_a_worker_runs_as_the_worker_role_and_drains_a_channel(
     assert queue.stats() == []
 
 
+@pytest.mark.parametrize("kind", ["producer", "worker", "admin"])
+def test_maintenance_is_the_owners_and_a_granted_role_skips_it_quietly(
+    queue: Queue,
+    make_role: Callable[..., str],
+    connect_as: Any,
+    churn: Callable[[Queue, int, int], None],
+    kind: str,
+) -> None:
+    churn(queue, 3_000, 600)  # enough that the owner's maintain() vacuums both tables
+    role = _granted(make_role, queue, kind)
+    granted = connect_as("queue")(role, queue.schema)
+    assert granted.maintain() == []
+    assert granted.maintain() == []  # asked once only: the refusal is remembered
+    calls = {op.name: (op.calls, op.errors) for op in granted.operation_stats()}
+    assert calls["maintenance_due"] == (1, 1)
+    assert queue.maintain() == ["channel", "message"]
+
+
 # -- admin and nobody ----------------------------------------------------------------------
 
 

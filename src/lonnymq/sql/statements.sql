@@ -132,3 +132,6 @@ SELECT {schema}.role_revoke(p_role => %(role)s::text)
 
 -- name: role_list
 SELECT role_name, kind, granted_at FROM {schema}.role_list()
+
+-- name: maintenance_due
+SELECT table_name FROM {schema}.maintenance_due()

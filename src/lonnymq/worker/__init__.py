@@ -9,8 +9,10 @@ them as failed (archived with the error) or moves them to a dead-letter channel.
 comes back past ``max_attempts`` (its workers crashed) is failed without running again. It
 fires the queue's periodic schedules, sleeps exactly until the next message is due, wakes at
 once on a NOTIFY when the queue publishes events, and rides out a lost database connection
-(reconnecting with backoff). On SIGTERM/SIGINT it stops dequeuing, lets running handlers
-finish within ``grace_s`` and gives back the rest, so no lock is left to expire.
+(reconnecting with backoff). Every ``maintenance_ms`` it runs ``queue.maintain()``, which
+vacuums the queue's high-churn tables when they need it (autovacuum is too slow for them).
+On SIGTERM/SIGINT it stops dequeuing, lets running handlers finish within ``grace_s`` and
+gives back the rest, so no lock is left to expire.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Worker:
         dead_letter_channel: str | None = None,
         grace_s: float = 30.0,
         idle_ms: int = 5_000,
+        maintenance_ms: int | None = 1_000,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         if not isinstance(queue, Queue):
@@ -99,6 +102,7 @@ class Worker:
             ),
             grace_s=grace_s,
             idle_ms=idle_ms,
+            maintenance_ms=maintenance_ms,
         )
         self.queue = queue
         self.handler = handler
@@ -124,6 +128,15 @@ class Worker:
         self._stopping.clear()
         previous = self._install_signals() if handle_signals else {}
         helpers = [threading.Thread(target=self._heartbeats, daemon=True, name="lonnymq-hb")]
+        if self.options.maintenance_ms is not None:
+            helpers.append(
+                threading.Thread(
+                    target=self._maintain,
+                    args=(self.options.maintenance_ms,),
+                    daemon=True,
+                    name="lonnymq-maint",
+                )
+            )
         event_channel = self._event_channel()
         if event_channel is not None:
             helpers.append(
@@ -405,6 +418,14 @@ class Worker:
                         task.message.id,
                         extra=_fields(task.message),
                     )
+
+    def _maintain(self, every_ms: int) -> None:
+        """Run ``queue.maintain()`` every ``every_ms`` until the worker stops."""
+        while not self._stopping.wait(every_ms / 1000):
+            try:
+                self.queue.maintain()
+            except LonnyMQError as err:
+                log.warning("maintenance failed (%s); trying again later", err)
 
     def _event_channel(self) -> str | None:
         try:

@@ -66,6 +66,7 @@ class AsyncWorker:
         dead_letter_channel: str | None = None,
         grace_s: float = 30.0,
         idle_ms: int = 5_000,
+        maintenance_ms: int | None = 1_000,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         if not isinstance(queue, AsyncQueue):
@@ -83,6 +84,7 @@ class AsyncWorker:
             ),
             grace_s=grace_s,
             idle_ms=idle_ms,
+            maintenance_ms=maintenance_ms,
         )
         self.queue = queue
         self.handler = handler
@@ -110,6 +112,8 @@ class AsyncWorker:
                 loop.add_signal_handler(sig, self.stop)
                 signals.append(sig)
         helpers = [asyncio.create_task(self._heartbeats())]
+        if self.options.maintenance_ms is not None:
+            helpers.append(asyncio.create_task(self._maintain(self.options.maintenance_ms)))
         event_channel = await self._event_channel()
         if event_channel is not None:
             helpers.append(asyncio.create_task(self._listen(event_channel)))
@@ -356,6 +360,15 @@ class AsyncWorker:
                         run.message.id,
                         extra=_fields(run.message),
                     )
+
+    async def _maintain(self, every_ms: int) -> None:
+        """Run ``queue.maintain()`` every ``every_ms`` (the task is cancelled at the end)."""
+        while True:
+            await asyncio.sleep(every_ms / 1000)
+            try:
+                await self.queue.maintain()
+            except LonnyMQError as err:
+                log.warning("maintenance failed (%s); trying again later", err)
 
     async def _event_channel(self) -> str | None:
         try:

@@ -105,6 +105,7 @@ class WorkerOptions:
     dead_letter_channel: str | None = None
     grace_s: float = 30.0
     idle_ms: int = 5_000
+    maintenance_ms: int | None = 1_000
 
     @classmethod
     def check(
@@ -118,6 +119,7 @@ class WorkerOptions:
         dead_letter_channel: str | None,
         grace_s: object,
         idle_ms: object,
+        maintenance_ms: object = 1_000,
     ) -> WorkerOptions:
         """Validate the options; a bad one raises :class:`InvalidArgumentError`."""
         for name, value, low, high in (
@@ -149,6 +151,15 @@ class WorkerOptions:
                 f"grace_s must be a number from 0 to {MAX_WAIT_MS // 1000} (7 days), "
                 f"got {grace_s!r}"
             )
+        if maintenance_ms is not None and (
+            not isinstance(maintenance_ms, int)
+            or isinstance(maintenance_ms, bool)
+            or not 10 <= maintenance_ms <= MAX_WAIT_MS
+        ):
+            raise InvalidArgumentError(
+                f"maintenance_ms must be None (off) or an int from 10 to {MAX_WAIT_MS}, "
+                f"got {maintenance_ms!r}"
+            )
         if backoff is not None and not isinstance(backoff, Backoff):
             raise InvalidArgumentError(f"backoff must be a Backoff, got {backoff!r}")
         if dead_letter_channel == SCHEDULE_CHANNEL:
@@ -162,6 +173,7 @@ class WorkerOptions:
             dead_letter_channel=dead_letter_channel,
             grace_s=float(grace_s),
             idle_ms=idle_ms,  # type: ignore[arg-type]
+            maintenance_ms=maintenance_ms,
         )
 
 

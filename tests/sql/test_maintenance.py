@@ -1,0 +1,99 @@
+"""Queue.maintain(): the queue vacuums its own high-churn tables once they hold enough dead
+row versions, and leaves them alone otherwise; the worker runtime calls it periodically."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from lonnymq import AsyncQueue, NewMessage, Queue
+from lonnymq.errors import InvalidArgumentError
+from lonnymq.worker import AsyncWorker, Worker
+
+Conn = psycopg.Connection[Any]
+Churn = Callable[[Queue, int, int], None]
+
+
+def _vacuums(admin: Conn, schema: str) -> dict[str, int]:
+    rows = admin.execute(
+        "SELECT relname::text, vacuum_count FROM pg_stat_all_tables"
+        " WHERE schemaname = %s AND relname IN ('channel', 'message')",
+        [schema],
+    ).fetchall()
+    return dict(rows)
+
+
+def test_maintain_vacuums_the_tables_that_gathered_dead_rows_and_only_those(
+    queue: Queue, admin: Conn, churn: Churn
+) -> None:
+    before = _vacuums(admin, queue.schema)
+    assert queue.maintain() == []  # a fresh queue: nothing to do
+    churn(queue, 3_000, 600)
+    assert queue.maintain() == ["channel", "message"]
+    after = _vacuums(admin, queue.schema)
+    assert after["channel"] == before["channel"] + 1
+    assert after["message"] == before["message"] + 1
+    # VACUUM reset the counts: nothing is due until more churn.
+    assert queue.maintain() == []
+    assert _vacuums(admin, queue.schema) == after
+    # The queue works on as before.
+    queue.create(b"after", channel="c1")
+    taken = queue.dequeue(lock_ms=60_000)
+    assert taken is not None
+    assert taken.content == b"after"
+    taken.delete()
+    assert {op.name for op in queue.operation_stats()} >= {"maintenance_due", "vacuum"}
+
+
+def test_a_small_churn_is_not_worth_a_vacuum(queue: Queue, churn: Churn) -> None:
+    churn(queue, 50, 5)
+    assert queue.maintain() == []
+
+
+def test_async_maintain_vacuums_too(dsn: str, queue: Queue, churn: Churn) -> None:
+    churn(queue, 3_000, 600)
+
+    async def main() -> list[str]:
+        async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+            return await aqueue.maintain()
+
+    assert asyncio.run(main()) == ["channel", "message"]
+
+
+def test_workers_maintain_the_queue_while_they_run(dsn: str, queue: Queue) -> None:
+    queue.create_many([NewMessage(b"x", channel=f"c{i % 50}") for i in range(300)])
+    worker = Worker(queue, lambda message: None, concurrency=2, idle_ms=100, maintenance_ms=20)
+    worker.run(handle_signals=False, until_idle=True)
+    calls = {op.name: op.calls for op in queue.operation_stats()}
+    assert calls.get("maintenance_due", 0) >= 1
+
+    async def main() -> int:
+        async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+            await aqueue.create_many([NewMessage(b"y", channel="a") for _ in range(100)])
+            runner = AsyncWorker(aqueue, _noop, concurrency=2, idle_ms=100, maintenance_ms=20)
+            await runner.run(handle_signals=False, until_idle=True)
+            return {op.name: op.calls for op in aqueue.operation_stats()}.get("maintenance_due", 0)
+
+    assert asyncio.run(main()) >= 1
+
+
+def test_workers_without_maintenance_never_call_it(queue: Queue) -> None:
+    queue.create_many([NewMessage(b"x", channel="a") for _ in range(100)])
+    Worker(queue, lambda message: None, idle_ms=100, maintenance_ms=None).run(
+        handle_signals=False, until_idle=True
+    )
+    assert "maintenance_due" not in {op.name for op in queue.operation_stats()}
+
+
+async def _noop(message: Any) -> None:
+    return None
+
+
+@pytest.mark.parametrize("value", [0, 9, -1, 1.5, True, "1000", 7 * 24 * 3_600_000 + 1])
+def test_bad_maintenance_intervals_are_refused(queue: Queue, value: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="maintenance_ms"):
+        Worker(queue, lambda message: None, maintenance_ms=value)  # type: ignore[arg-type]
