@@ -365,7 +365,7 @@ class LongTxnBench:
         pages = "/".join(str(p["pages"]) for p in probes.values())
         self.log(
             f"  {record['t']:7.1f}s  {phase:<9} {kind:<8} {record['msgs_per_s']:>9,.0f} msg/s  "
-            f"p50 {lat['p50_ms']:8.3f} ms  p99 {lat['p99_ms']:8.3f} ms  dead {dead:>9,}  "
+            f"p50 {_ms(lat['p50_ms']):>8} ms  p99 {_ms(lat['p99_ms']):>8} ms  dead {dead:>9,}  "
             f"probe pages {pages:>9}  xmin age {xmin_age if xmin_age is not None else '-'}"
         )
         return record
@@ -477,12 +477,18 @@ def _read_latencies(prefix: Path) -> list[float]:
     return out
 
 
-def _percentiles(latencies: list[float]) -> dict[str, float]:
+def _percentiles(latencies: list[float]) -> dict[str, float | None]:
+    """p50 and p99 of ``latencies`` (ms); None when pgbench logged none (a window in which a
+    loaded machine let no call finish)."""
     if not latencies:
-        return {"p50_ms": 0.0, "p99_ms": 0.0}
+        return {"p50_ms": None, "p99_ms": None}
     p50 = statistics.median(latencies)
     p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 2 else p50
     return {"p50_ms": p50, "p99_ms": p99}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -519,7 +525,7 @@ def table(report: dict[str, Any]) -> str:
             size = (sum(row["heap_bytes"].values()) + sum(row["index_bytes"].values())) / 2**20
             lines.append(
                 f"{phase:<9} {kind:<8} {row['msgs_per_s']:>8,.0f} {_ratio(base):>7} "
-                f"{_ratio(vs_raw):>6} {row['p50_ms']:>8.3f} {row['p99_ms']:>8.3f} {dead:>12,} "
+                f"{_ratio(vs_raw):>6} {_ms(row['p50_ms']):>8} {_ms(row['p99_ms']):>8} {dead:>12,} "
                 f"{size:>12.1f}"
             )
     return "\n".join(lines)

@@ -50,13 +50,18 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) ->
     for w in windows:
         assert w["consumed"] > 0, w
         assert w["produced"] > 0, w
-        assert 0 < w["p50_ms"] <= w["p99_ms"], w
+        # A window may log no call at all on a loaded machine (then None); most must. pgbench
+        # logs whole microseconds from a clock it reads lazily: 0 happens.
+        assert w["p50_ms"] is None or 0 <= w["p50_ms"] <= w["p99_ms"], w
         tables = {"raw": {"raw_queue"}, "lonnymq": {"message", "channel"}}[w["queue"]]
         assert set(w["tables"]) == tables
         probes = {"raw": {"head"}, "lonnymq": {"ready_channel", "channel_head"}}[w["queue"]]
         assert set(w["probes"]) == probes
         assert all(p["pages"] >= 1 for p in w["probes"].values()), w["probes"]
         assert all(t["heap_bytes"] > 0 and t["n_dead_tup"] >= 0 for t in w["tables"].values())
+    for kind in ("raw", "lonnymq"):
+        mine = [w for w in windows if w["queue"] == kind]
+        assert 2 * sum(w["p50_ms"] is not None for w in mine) >= len(mine), mine
     # While held, the snapshot is at least as old as every transaction since it was taken.
     held = [w["oldest_xmin_age"] for w in windows if w["phase"] == "hold"]
     assert all(age is not None and age > 0 for age in held)
