@@ -37,21 +37,33 @@ def _run_workers(queue: Queue, count: int, seen: list[bytes]) -> None:
         assert not thread.is_alive()
 
 
+def _one_second_into_a_minute(queue: Queue) -> int:
+    """Set the queue's clock offset so that its now is one second past a minute boundary;
+    returns that offset."""
+    now = queue.set_clock_offset(0)
+    offset = 1_000 - now % MINUTE
+    queue.set_clock_offset(offset)
+    return offset
+
+
 def test_schedule_fires_once_per_period_across_competing_workers_and_restarts(
     make_queue: Callable[..., Queue],
 ) -> None:
     queue = make_queue(archive=True)
+    # The queue's clock starts a second into a minute, so the first firing is 59 s away
+    # whatever the wall clock says (a real minute boundary must not fire it mid-test).
+    start = _one_second_into_a_minute(queue)
     assert queue.schedule("tick", cron="* * * * *", content=b"tick", channel="ticks") is True
     seen: list[bytes] = []
     _run_workers(queue, 2, seen)  # nothing is due yet
     assert seen == []
     for minute in (1, 2, 3):
         # Each round is a fresh start of two competing workers, one period later.
-        queue.set_clock_offset(minute * MINUTE + 500)
+        queue.set_clock_offset(start + minute * MINUTE)
         _run_workers(queue, 2, seen)
         assert seen == [b"tick"] * minute
     # Ten periods missed while nothing ran: one firing, not a burst.
-    queue.set_clock_offset(13 * MINUTE + 500)
+    queue.set_clock_offset(start + 13 * MINUTE)
     _run_workers(queue, 2, seen)
     assert seen == [b"tick"] * 4
     [schedule] = queue.schedules()
