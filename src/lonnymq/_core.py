@@ -3,6 +3,7 @@ statements, and turning rows into results."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from functools import cache
@@ -235,6 +236,15 @@ def priority_to_dequeue_at(priority: object, dequeue_at: object) -> object:
             f"priority must be an int between 0 (first) and 1000000, got {priority!r}"
         )
     return priority
+
+
+def check_pool_timeout(value: object) -> float:
+    """Seconds a call may wait for a pooled connection: a finite number above 0."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise InvalidArgumentError(
+            f"pool_timeout must be a finite number of seconds > 0, got {value!r}"
+        )
+    return float(value)
 
 
 def check_error_text(error: object) -> str:

@@ -51,6 +51,10 @@ Row = tuple[Any, ...]
 RECONNECT_GIVE_UP_S = 5.0
 """Seconds the pool retries one lost connection (1 s backoff, doubling) before giving up."""
 
+DEFAULT_POOL_TIMEOUT_S = 30.0
+"""Seconds a call waits for a connection (the server down, or every pooled connection busy)
+before it raises ``DatabaseUnavailableError``; ``pool_timeout`` of a queue changes it."""
+
 
 @dataclass(frozen=True, slots=True)
 class AsyncMessage:
@@ -194,7 +198,9 @@ class AsyncQueue:
     ``dsn`` is any libpq connection string; ``None`` uses ``$LONNYMQ_DSN`` or, when that is
     unset too, the embedded server. Operations borrow a connection from a pool (each one its
     own transaction), or run on the caller's connection inside the caller's transaction when
-    given ``conn=``.
+    given ``conn=``. A call waits at most ``pool_timeout`` seconds for a connection (the
+    server down, or all ``pool_size`` connections busy), then raises
+    ``DatabaseUnavailableError``.
     """
 
     def __init__(
@@ -204,6 +210,7 @@ class AsyncQueue:
         schema: str = "lonnymq",
         event_channel: str | None = None,
         pool_size: int = 10,
+        pool_timeout: float = DEFAULT_POOL_TIMEOUT_S,
     ) -> None:
         if dsn is not None and (not isinstance(dsn, str) or "\x00" in dsn):
             raise InvalidArgumentError(
@@ -215,6 +222,7 @@ class AsyncQueue:
             raise InvalidArgumentError(f"pool_size must be a positive int, got {pool_size!r}")
         self._dsn = dsn
         self._pool_size = pool_size
+        self._pool_timeout = _core.check_pool_timeout(pool_timeout)
         self._pool: AsyncConnectionPool | None = None
         self._pool_lock = asyncio.Lock()
         self._closed = False
@@ -232,6 +240,7 @@ class AsyncQueue:
         schema: str = "lonnymq",
         event_channel: str | None = None,
         pool_size: int = 10,
+        pool_timeout: float = DEFAULT_POOL_TIMEOUT_S,
     ) -> Self:
         """A queue on the embedded PostgreSQL in ``data_dir`` (started if needed)."""
         return cls(
@@ -239,6 +248,7 @@ class AsyncQueue:
             schema=schema,
             event_channel=event_channel,
             pool_size=pool_size,
+            pool_timeout=pool_timeout,
         )
 
     @property
@@ -293,11 +303,13 @@ class AsyncQueue:
                     # Give up a failing reconnection soon: the next call starts a fresh one
                     # at once, instead of waiting out an ever longer backoff after an outage.
                     reconnect_timeout=RECONNECT_GIVE_UP_S,
+                    # How long a call waits for a connection before DatabaseUnavailableError.
+                    timeout=self._pool_timeout,
                     open=False,
                     name=f"lonnymq-{self._schema}",
                 )
                 try:
-                    await pool.open(wait=True, timeout=30)
+                    await pool.open(wait=True, timeout=self._pool_timeout)
                 except psycopg.Error as err:
                     raise translate(err, schema=self._schema) from err
                 except Exception as err:

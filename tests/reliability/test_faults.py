@@ -127,6 +127,27 @@ def test_a_call_waiting_through_a_long_outage_goes_through_once_the_server_is_ba
     assert sum(s.size for s in fault_queue.stats()) == 2
 
 
+def test_a_short_pool_timeout_fails_fast_while_the_server_is_down(
+    server: RestartableServer, schema_name: str
+) -> None:
+    with Queue(server.dsn, schema=schema_name, pool_size=2, pool_timeout=1.5) as queue:
+        queue.install()
+        queue.create(b"before")
+        server.kill()
+        try:
+            started = time.monotonic()
+            with pytest.raises(DatabaseUnavailableError):
+                queue.create(b"while down")
+            waited = time.monotonic() - started
+        finally:
+            server.start()
+        # The default would wait 30 s; this one gives up after its 1.5 s (plus a reconnect).
+        assert waited < 10, f"the call waited {waited:.1f}s"
+        queue.create(b"after")
+        contents = sorted(m.content for m in queue.dequeue_many(10, lock_ms=60_000))
+    assert contents == [b"after", b"before"]
+
+
 def test_the_async_queue_recovers_after_a_restart(
     server: RestartableServer, schema_name: str
 ) -> None:

@@ -376,6 +376,18 @@ def test_bad_schema_name_is_refused(
         assert found == (0,)
 
 
+BAD_POOL_TIMEOUTS: list[object] = [0, -1, 0.0, float("nan"), float("inf"), True, "5", None]
+
+
+@pytest.mark.parametrize("queue_class", [Queue, AsyncQueue])
+@pytest.mark.parametrize("value", BAD_POOL_TIMEOUTS, ids=[repr(v) for v in BAD_POOL_TIMEOUTS])
+def test_bad_pool_timeout_is_refused(
+    dsn: str, queue_class: type[Queue] | type[AsyncQueue], value: object
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="pool_timeout"):
+        queue_class(dsn, schema="never_installed_here", pool_timeout=cast(Any, value))
+
+
 @pytest.mark.parametrize("schema", ["a" * 63, "_x1", "Mixed_Case_9"])
 def test_good_schema_names_are_accepted(dsn: str, schema: str) -> None:
     assert Queue(dsn, schema=schema).schema == schema
