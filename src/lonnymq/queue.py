@@ -324,24 +324,36 @@ class Queue:
 
     def _fetch(self, name: str, params: dict[str, Any], conn: Connection[Any] | None) -> list[Row]:
         """Run the named statement (on ``conn``, or on a pooled connection) and return rows."""
+        return self._run(self._sql[name], params, conn, label=name)
+
+    def _run(
+        self,
+        statement: sql.Composed,
+        params: dict[str, Any],
+        conn: Connection[Any] | None,
+        *,
+        label: str,
+    ) -> list[Row]:
+        """Run ``statement`` (on ``conn``, or on a pooled connection) and return its rows (none
+        for a statement that returns none); timed in ``operation_stats`` as ``label``."""
         _check_conn(conn)
         started = perf_counter()
         ok = False
         try:
             if conn is not None:
-                cursor = conn.execute(self._sql[name], params, binary=True)
-                rows = cursor.fetchall()
+                cursor = conn.execute(statement, params, binary=True)
+                rows = cursor.fetchall() if cursor.description is not None else []
             else:
                 pool = self._get_pool()
                 with pool.connection() as pooled:
-                    cursor = pooled.execute(self._sql[name], params, binary=True)
-                    rows = cursor.fetchall()
+                    cursor = pooled.execute(statement, params, binary=True)
+                    rows = cursor.fetchall() if cursor.description is not None else []
             ok = True
             return rows
         except psycopg.Error as err:
             raise translate(err, schema=self._schema) from err
         finally:
-            self._recorder.record(name, perf_counter() - started, ok=ok)
+            self._recorder.record(label, perf_counter() - started, ok=ok)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection[Any]]:
@@ -725,17 +737,7 @@ class Queue:
             statement = sql.SQL("VACUUM (SKIP_LOCKED) {}").format(
                 sql.Identifier(self._schema, table)
             )
-            started = perf_counter()
-            ok = False
-            try:
-                pool = self._get_pool()
-                with pool.connection() as pooled:
-                    pooled.execute(statement)
-                ok = True
-            except psycopg.Error as err:
-                raise translate(err, schema=self._schema) from err
-            finally:
-                self._recorder.record("vacuum", perf_counter() - started, ok=ok)
+            self._run(statement, {}, None, label="vacuum")
         return tables
 
     def set_clock_offset(self, offset_ms: int, *, conn: Connection[Any] | None = None) -> int:

@@ -325,24 +325,36 @@ class AsyncQueue:
         self, name: str, params: dict[str, Any], conn: AsyncConnection[Any] | None
     ) -> list[Row]:
         """Run the named statement (on ``conn``, or on a pooled connection) and return rows."""
+        return await self._run(self._sql[name], params, conn, label=name)
+
+    async def _run(
+        self,
+        statement: sql.Composed,
+        params: dict[str, Any],
+        conn: AsyncConnection[Any] | None,
+        *,
+        label: str,
+    ) -> list[Row]:
+        """Run ``statement`` (on ``conn``, or on a pooled connection) and return its rows (none
+        for a statement that returns none); timed in ``operation_stats`` as ``label``."""
         _check_conn(conn)
         started = perf_counter()
         ok = False
         try:
             if conn is not None:
-                cursor = await conn.execute(self._sql[name], params, binary=True)
-                rows = await cursor.fetchall()
+                cursor = await conn.execute(statement, params, binary=True)
+                rows = await cursor.fetchall() if cursor.description is not None else []
             else:
                 pool = await self._get_pool()
                 async with pool.connection() as pooled:
-                    cursor = await pooled.execute(self._sql[name], params, binary=True)
-                    rows = await cursor.fetchall()
+                    cursor = await pooled.execute(statement, params, binary=True)
+                    rows = await cursor.fetchall() if cursor.description is not None else []
             ok = True
             return rows
         except psycopg.Error as err:
             raise translate(err, schema=self._schema) from err
         finally:
-            self._recorder.record(name, perf_counter() - started, ok=ok)
+            self._recorder.record(label, perf_counter() - started, ok=ok)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection[Any]]:
@@ -736,17 +748,7 @@ class AsyncQueue:
             statement = sql.SQL("VACUUM (SKIP_LOCKED) {}").format(
                 sql.Identifier(self._schema, table)
             )
-            started = perf_counter()
-            ok = False
-            try:
-                pool = await self._get_pool()
-                async with pool.connection() as pooled:
-                    await pooled.execute(statement)
-                ok = True
-            except psycopg.Error as err:
-                raise translate(err, schema=self._schema) from err
-            finally:
-                self._recorder.record("vacuum", perf_counter() - started, ok=ok)
+            await self._run(statement, {}, None, label="vacuum")
         return tables
 
     async def set_clock_offset(
