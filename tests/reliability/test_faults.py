@@ -148,6 +148,32 @@ def test_a_short_pool_timeout_fails_fast_while_the_server_is_down(
     assert contents == [b"after", b"before"]
 
 
+def test_a_short_pool_timeout_fails_fast_on_the_async_queue_too(
+    server: RestartableServer, schema_name: str
+) -> None:
+    async def scenario() -> tuple[float, list[bytes]]:
+        async with AsyncQueue(
+            server.dsn, schema=schema_name, pool_size=2, pool_timeout=1.5
+        ) as queue:
+            await queue.install()
+            await queue.create(b"before")
+            await asyncio.to_thread(server.kill)
+            try:
+                started = time.monotonic()
+                with pytest.raises(DatabaseUnavailableError):
+                    await queue.create(b"while down")
+                waited = time.monotonic() - started
+            finally:
+                await asyncio.to_thread(server.start)
+            await queue.create(b"after")
+            taken = await queue.dequeue_many(10, lock_ms=60_000)
+            return waited, sorted(m.content for m in taken)
+
+    waited, contents = asyncio.run(scenario())
+    assert waited < 10, f"the call waited {waited:.1f}s"
+    assert contents == [b"after", b"before"]
+
+
 def test_the_async_queue_recovers_after_a_restart(
     server: RestartableServer, schema_name: str
 ) -> None:
