@@ -1,0 +1,179 @@
+"""Finishing and heartbeating held messages with many messages locked, before and after 0018,
+side by side in one run on one PostgreSQL.
+
+    python benchmarks/held_lookup.py [--dsn DSN] [--held 100000] [--calls 200] [--rounds 3]
+
+Migration 0018 looks a held message up by primary key only; before it, the planner could
+answer the lookup from the partial index of locked messages, one entry per locked message,
+whenever the statistics said few messages were locked. Two schemas on the same server hold
+the same queue (``--held`` + 20,000 messages over 100 channels, ANALYZEd while none was
+locked, then ``--held`` of them locked for 10 minutes): one as installed, one with the five
+functions 0018 replaced put back as the earlier migrations defined them (from the shipped
+migrations' text). One client, the schemas taking turns, each round in each schema:
+``--calls`` single finishes (``message_delete``), ``--calls`` heartbeats
+(``message_heartbeat``), ``--calls``/10 finishes and heartbeats of 100 (``message_delete_many``,
+``message_heartbeat_many``), each call its own transaction. Then both schemas are ANALYZEd
+(the statistics now see the locked messages) and the rounds run again. Figures: the median
+over rounds of the mean milliseconds per call. The schemas are dropped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from _shipped import function_text
+from psycopg import sql
+
+from lonnymq import Queue
+
+# What 0018 replaced, and the migration that last defined each before it.
+EARLIER = {
+    "message_finish_try": "0002_fast_paths.sql",
+    "message_heartbeat": "0001_init.sql",
+    "message_heartbeat_many": "0004_spark.sql",
+    "message_requeue": "0002_fast_paths.sql",
+    "message_delete_many": "0015_set_finish.sql",
+}
+OPERATIONS = ("finish 1", "heartbeat 1", "finish 100", "heartbeat 100")
+LOCK_MS = 600_000
+
+
+class Held:
+    """The messages one schema holds, as (id, num_attempts), finished ones popped."""
+
+    def __init__(self, conn: psycopg.Connection[Any], schema: str, count: int) -> None:
+        self.schema = sql.Identifier(schema)
+        self.items: list[tuple[int, int]] = []
+        take = sql.SQL("SELECT id, num_attempts FROM {}.message_dequeue_many(10000, %s)").format(
+            self.schema
+        )
+        while len(self.items) < count:
+            rows = conn.execute(take, [LOCK_MS]).fetchall()
+            if not rows or rows[0][0] is None:
+                raise RuntimeError("the backlog ran out while locking")
+            self.items.extend((r[0], r[1]) for r in rows)
+
+    def pop(self, n: int) -> list[tuple[int, int]]:
+        if len(self.items) < n:
+            raise RuntimeError("no held messages left: use fewer --calls or --rounds")
+        taken, self.items = self.items[-n:], self.items[:-n]
+        return taken
+
+
+def _timed(conn: psycopg.Connection[Any], calls: int, call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - started) * 1000 / calls
+
+
+def _round(conn: psycopg.Connection[Any], held: Held, calls: int) -> dict[str, float]:
+    s = held.schema
+    delete = sql.SQL("SELECT {}.message_delete(%s, %s)").format(s)
+    beat = sql.SQL("SELECT {}.message_heartbeat(%s, %s, %s)").format(s)
+    delete_many = sql.SQL("SELECT count(*) FROM {}.message_delete_many(%s, %s)").format(s)
+    beat_many = sql.SQL("SELECT count(*) FROM {}.message_heartbeat_many(%s, %s, %s)").format(s)
+    keep = held.items[: max(calls, 100)]  # heartbeats extend these, finishes take from the end
+
+    def finish_one() -> None:
+        (mid, na) = held.pop(1)[0]
+        conn.execute(delete, [mid, na])
+
+    beats = iter(range(10**9))
+
+    def beat_one() -> None:
+        mid, na = keep[next(beats) % len(keep)]
+        conn.execute(beat, [mid, na, LOCK_MS])
+
+    def finish_many() -> None:
+        batch = held.pop(100)
+        conn.execute(delete_many, [[m for m, _ in batch], [a for _, a in batch]]).fetchall()
+
+    def beat_many_call() -> None:
+        batch = keep[:100]
+        conn.execute(beat_many, [[m for m, _ in batch], [a for _, a in batch], LOCK_MS])
+
+    return {
+        "finish 1": _timed(conn, calls, finish_one),
+        "heartbeat 1": _timed(conn, calls, beat_one),
+        "finish 100": _timed(conn, max(1, calls // 10), finish_many),
+        "heartbeat 100": _timed(conn, max(1, calls // 10), beat_many_call),
+    }
+
+
+def _setup(dsn: str, schema: str, earlier: bool, held_count: int) -> None:
+    with Queue(dsn, schema=schema) as queue:
+        queue.install()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ident = sql.Identifier(schema)
+        if earlier:
+            conn.execute(sql.SQL("SET search_path = {}").format(ident))
+            for name, migration in EARLIER.items():
+                conn.execute(function_text(migration, name).encode())
+            conn.execute(sql.SQL("SELECT {}.secure_functions()").format(ident))
+        total = held_count + 20_000
+        for start in range(0, total, 50_000):
+            n = min(50_000, total - start)
+            conn.execute(
+                sql.SQL(
+                    "SELECT count(*) FROM {}.message_create_many("
+                    "ARRAY(SELECT 'c' || (g %% 100) FROM generate_series(1, %s) g), "
+                    "array_fill('\\x00'::bytea, ARRAY[%s]), NULL, NULL)"
+                ).format(ident),
+                [n, n],
+            )
+        conn.execute(sql.SQL("VACUUM ANALYZE {}.message").format(ident))
+        conn.execute(sql.SQL("VACUUM ANALYZE {}.channel").format(ident))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dsn", default=os.environ.get("LONNYMQ_DSN"))
+    parser.add_argument("--held", type=int, default=100_000)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if not args.dsn:
+        parser.error("--dsn (or LONNYMQ_DSN) is required")
+    if 2 * args.rounds * (args.calls + 100 * max(1, args.calls // 10)) + 100 > args.held:
+        parser.error("--held is too small for that many --calls and --rounds")
+    tag = uuid.uuid4().hex[:8]
+    schemas = {"0017": f"lonnymq_bench_held17_{tag}", "0018": f"lonnymq_bench_held18_{tag}"}
+    try:
+        for version, schema in schemas.items():
+            _setup(args.dsn, schema, version == "0017", args.held)
+        with psycopg.connect(args.dsn, autocommit=True) as conn:
+            held = {v: Held(conn, s, args.held) for v, s in schemas.items()}
+            for phase in ("statistics from before the locks", "statistics ANALYZEd with the locks"):
+                if phase.startswith("statistics ANALYZEd"):
+                    for schema in schemas.values():
+                        conn.execute(sql.SQL("ANALYZE {}.message").format(sql.Identifier(schema)))
+                times: dict[str, dict[str, list[float]]] = {
+                    v: {op: [] for op in OPERATIONS} for v in schemas
+                }
+                for _ in range(args.rounds):
+                    for version in schemas:
+                        for op, ms in _round(conn, held[version], args.calls).items():
+                            times[version][op].append(ms)
+                print(f"{args.held:,} messages locked, {phase} (ms per call, median of rounds):")
+                for op in OPERATIONS:
+                    old = statistics.median(times["0017"][op])
+                    new = statistics.median(times["0018"][op])
+                    print(f"  {op:<14} 0017 {old:8.3f}   0018 {new:8.3f}   {old / new:6.1f}x")
+    finally:
+        with psycopg.connect(args.dsn, autocommit=True) as conn:
+            for schema in schemas.values():
+                conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+                )
+
+
+if __name__ == "__main__":
+    main()
