@@ -32,6 +32,7 @@ from lonnymq import (
     Policy,
     Queue,
 )
+from lonnymq.errors import DatabaseError
 
 LOCK_MS = 60_000
 # How long a message created while its channel was being drained may wait before it is
@@ -223,6 +224,64 @@ def test_create_leaves_a_due_channel_row_held_by_a_dequeue_alone(
         producer.commit()
         holder.rollback()
     assert [m.content for m in queue.dequeue_many(10, lock_ms=LOCK_MS)] == [b"first", b"second"]
+    assert queue.verify() == []
+
+
+def _create_many_in_thread(
+    queue: Queue, producer: Conn, items: list[NewMessage]
+) -> tuple[threading.Thread, dict[str, object]]:
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            queue.create_many(items, conn=producer)
+            outcome["lock_timeout"] = producer.execute("SHOW lock_timeout").fetchone()
+        except Exception as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_create_many_waits_for_a_row_another_producer_is_making_then_uses_it(
+    dsn: str, queue: Queue
+) -> None:
+    """Another producer is making channel n's row (not committed). The batch's insert of that
+    row gives up after 50 ms and looks again, round after round (0019), then waits for good;
+    once the other commits it uses that row. The caller's lock_timeout is as it was."""
+    with _session(dsn) as other, _session(dsn) as producer:
+        queue.create(b"other", channel="n", conn=other)
+        producer.execute("SET LOCAL lock_timeout = '7s'")
+        items = [NewMessage(b"mine", channel="n"), NewMessage(b"y", channel="y")]
+        thread, outcome = _create_many_in_thread(queue, producer, items)
+        time.sleep(1.5)  # the 19 rounds of 50 ms are over: the last round waits
+        assert thread.is_alive(), outcome
+        other.commit()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        assert "error" not in outcome, outcome
+        assert outcome["lock_timeout"] == ("7s",)
+        producer.commit()
+    taken = queue.dequeue_many(10, lock_ms=LOCK_MS)
+    assert sorted(m.content for m in taken) == [b"mine", b"other", b"y"]
+    assert queue.verify() == []
+
+
+def test_create_many_stops_at_the_callers_lock_timeout_changing_nothing(
+    dsn: str, queue: Queue, admin: Conn
+) -> None:
+    """The last round of 0019's insert waits under the caller's own lock_timeout: when that
+    runs out the caller gets the error (nothing is created), not a message without a row."""
+    with _session(dsn) as other, _session(dsn) as producer:
+        queue.create(b"other", channel="n", conn=other)
+        producer.execute("SET LOCAL lock_timeout = '200ms'")
+        with pytest.raises(DatabaseError) as raised:
+            queue.create_many([NewMessage(b"mine", channel="n")], conn=producer)
+        assert raised.value.sqlstate == "55P03"
+        producer.rollback()
+        other.rollback()
+    assert _table_counts(admin, queue.schema, "n") == (0, 0)
     assert queue.verify() == []
 
 
