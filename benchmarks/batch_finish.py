@@ -1,6 +1,6 @@
 """A batch finish (``message_delete_many``) before and after 0015, side by side in one run on
 one PostgreSQL: the loop of 0002 (one ``message_finish_try`` per id) against the set-based
-function of 0015.
+function of 0015 (as installed: 0018 changed only how it looks up the held messages).
 
     python benchmarks/batch_finish.py [--dsn DSN] [--batch 100] [--channels 1 100 100000]
                                       [--calls 100] [--rounds 3]
@@ -92,7 +92,7 @@ def main() -> None:
                 old, new = (statistics.median(times[f]) for f in FUNCTIONS)
                 print(
                     f"{channels:>7,} channels, batches of {args.batch}: 0002 {old:.2f} ms, "
-                    f"0015 {new:.2f} ms per finish ({old / new:.1f}x); rounds: "
+                    f"now {new:.2f} ms per finish ({old / new:.1f}x); rounds: "
                     + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(*times.values(), strict=True))
                 )
         finally:

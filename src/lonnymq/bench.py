@@ -379,8 +379,9 @@ class Bench:
                         self.reset()
                         before = 0
                         if shape == "drain":
-                            # The raw queue drains batches far faster: give it more.
-                            before = self.profile.prefill * (10 if kind == "raw" else 1)
+                            # Batches drain faster: give them more, the raw queue most.
+                            scale = 10 if kind == "raw" else (4 if batch > 1 else 1)
+                            before = self.profile.prefill * scale
                             self.prefill("raw" if kind == "raw" else "lonnymq", before, channels)
                         with self._maintained(kind):
                             rate = self._run(kind, shape, batch, channels, before)
