@@ -2,6 +2,7 @@
 side by side in one run on one PostgreSQL.
 
     python benchmarks/held_lookup.py [--dsn DSN] [--held 100000] [--calls 200] [--rounds 3]
+    python benchmarks/held_lookup.py --drain [--dsn DSN] [--seconds 8] [--rounds 3]
 
 Migration 0018 looks a held message up by primary key only; before it, the planner could
 answer the lookup from the partial index of locked messages, one entry per locked message,
@@ -15,6 +16,12 @@ migrations' text). One client, the schemas taking turns, each round in each sche
 ``message_heartbeat_many``), each call its own transaction. Then both schemas are ANALYZEd
 (the statistics now see the locked messages) and the rounds run again. Figures: the median
 over rounds of the mean milliseconds per call. The schemas are dropped at the end.
+
+With ``--drain``: the drain shapes of ``lonnymq bench`` instead, on the same two kinds of
+schema: 300,000 messages (900,000 for batches) over 100 channels, ANALYZEd, drained by 8
+pgbench clients running the bench's own script (``complete_and_dequeue``, one or 100
+messages per call) for ``--seconds``, the schemas taking turns; messages/s counted from the
+table (finished = the rows gone), per round.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +41,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
+from lonnymq.bench import SCRIPTS, pgbench_path
 
 # What 0018 replaced, and the migration that last defined each before it.
 EARLIER = {
@@ -108,6 +118,53 @@ def _round(conn: psycopg.Connection[Any], held: Held, calls: int) -> dict[str, f
     }
 
 
+def _drain(dsn: str, schemas: dict[str, str], seconds: int, rounds: int) -> None:
+    """The bench's drain shapes, one schema then the other, each from a fresh backlog."""
+    with tempfile.TemporaryDirectory() as tmp, psycopg.connect(dsn, autocommit=True) as conn:
+        for batch in (1, 100):
+            rates: dict[str, list[float]] = {v: [] for v in schemas}
+            for _ in range(rounds):
+                for version, schema in schemas.items():
+                    ident = sql.Identifier(schema)
+                    conn.execute(sql.SQL("TRUNCATE {}.message").format(ident))
+                    conn.execute(sql.SQL("DELETE FROM {}.channel").format(ident))
+                    _fill(conn, schema, 300_000 if batch == 1 else 900_000)
+                    conn.execute(sql.SQL("VACUUM ANALYZE {}.message").format(ident))
+                    conn.execute(sql.SQL("VACUUM ANALYZE {}.channel").format(ident))
+                    script = f"{tmp}/take_{version}_{batch}.sql"
+                    with open(script, "w") as out:
+                        out.write(SCRIPTS[("lonnymq", "take", batch)].format(s=ident.as_string()))
+                    count = sql.SQL("SELECT count(*) FROM {}.message").format(ident)
+                    before = conn.execute(count).fetchone()[0]  # type: ignore[index]
+                    args = [
+                        pgbench_path(), "-n", "-c", "8", "-j", "2", "-T", str(seconds),
+                        "-f", script, "-D", "id=0", "-D", "na=0", "-D", "ids={}", "-D", "nas={}",
+                        dsn,
+                    ]  # fmt: skip
+                    subprocess.run(args, check=True, capture_output=True)
+                    after = conn.execute(count).fetchone()[0]  # type: ignore[index]
+                    rates[version].append((before - after) / seconds)
+            print(
+                f"drain, {batch} per call, 8 clients, {seconds} s: "
+                + "; ".join(
+                    f"{v} " + ", ".join(f"{r:,.0f}" for r in rates[v]) + " msg/s" for v in schemas
+                )
+            )
+
+
+def _fill(conn: psycopg.Connection[Any], schema: str, total: int) -> None:
+    for start in range(0, total, 50_000):
+        n = min(50_000, total - start)
+        conn.execute(
+            sql.SQL(
+                "SELECT count(*) FROM {}.message_create_many("
+                "ARRAY(SELECT 'c' || (g %% 100) FROM generate_series(1, %s) g), "
+                "array_fill('\\x00'::bytea, ARRAY[%s]), NULL, NULL)"
+            ).format(sql.Identifier(schema)),
+            [n, n],
+        )
+
+
 def _setup(dsn: str, schema: str, earlier: bool, held_count: int) -> None:
     with Queue(dsn, schema=schema) as queue:
         queue.install()
@@ -118,17 +175,7 @@ def _setup(dsn: str, schema: str, earlier: bool, held_count: int) -> None:
             for name, migration in EARLIER.items():
                 conn.execute(function_text(migration, name).encode())
             conn.execute(sql.SQL("SELECT {}.secure_functions()").format(ident))
-        total = held_count + 20_000
-        for start in range(0, total, 50_000):
-            n = min(50_000, total - start)
-            conn.execute(
-                sql.SQL(
-                    "SELECT count(*) FROM {}.message_create_many("
-                    "ARRAY(SELECT 'c' || (g %% 100) FROM generate_series(1, %s) g), "
-                    "array_fill('\\x00'::bytea, ARRAY[%s]), NULL, NULL)"
-                ).format(ident),
-                [n, n],
-            )
+        _fill(conn, schema, held_count + 20_000)
         conn.execute(sql.SQL("VACUUM ANALYZE {}.message").format(ident))
         conn.execute(sql.SQL("VACUUM ANALYZE {}.channel").format(ident))
 
@@ -139,6 +186,8 @@ def main() -> None:
     parser.add_argument("--held", type=int, default=100_000)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--drain", action="store_true", help="the bench's drain shapes instead")
+    parser.add_argument("--seconds", type=int, default=8, help="with --drain: per run")
     args = parser.parse_args()
     if not args.dsn:
         parser.error("--dsn (or LONNYMQ_DSN) is required")
@@ -148,7 +197,10 @@ def main() -> None:
     schemas = {"0017": f"lonnymq_bench_held17_{tag}", "0018": f"lonnymq_bench_held18_{tag}"}
     try:
         for version, schema in schemas.items():
-            _setup(args.dsn, schema, version == "0017", args.held)
+            _setup(args.dsn, schema, version == "0017", 0 if args.drain else args.held)
+        if args.drain:
+            _drain(args.dsn, schemas, args.seconds, args.rounds)
+            return
         with psycopg.connect(args.dsn, autocommit=True) as conn:
             held = {v: Held(conn, s, args.held) for v, s in schemas.items()}
             for phase in ("statistics from before the locks", "statistics ANALYZEd with the locks"):
