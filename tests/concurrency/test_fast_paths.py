@@ -244,35 +244,42 @@ def _create_many_in_thread(
     return thread, outcome
 
 
-def test_create_many_waits_for_a_row_another_producer_is_making_then_uses_it(
-    dsn: str, queue: Queue
+@pytest.mark.parametrize("other_commits", [True, False], ids=["other-commits", "other-aborts"])
+def test_batch_creates_take_turns_making_a_missing_channel_row(
+    dsn: str, queue: Queue, other_commits: bool
 ) -> None:
-    """Another producer is making channel n's row (not committed). The batch's insert of that
-    row gives up after 50 ms and looks again, round after round (0019), then waits for good;
-    once the other commits it uses that row. The caller's lock_timeout is as it was."""
+    """Another batch is making channel n's row (not committed): this batch waits for its
+    creation lock (0019), then looks again. If the other committed, its row is used as it is;
+    if it aborted, this batch makes the row: either way its message is served. The caller's
+    lock_timeout is as it was."""
     with _session(dsn) as other, _session(dsn) as producer:
-        queue.create(b"other", channel="n", conn=other)
+        queue.create_many([NewMessage(b"other", channel="n")], conn=other)
         producer.execute("SET LOCAL lock_timeout = '7s'")
         items = [NewMessage(b"mine", channel="n"), NewMessage(b"y", channel="y")]
         thread, outcome = _create_many_in_thread(queue, producer, items)
-        time.sleep(1.5)  # the 19 rounds of 50 ms are over: the last round waits
+        time.sleep(0.5)
         assert thread.is_alive(), outcome
-        other.commit()
+        if other_commits:
+            other.commit()
+        else:
+            other.rollback()
         thread.join(timeout=10)
         assert not thread.is_alive()
         assert "error" not in outcome, outcome
         assert outcome["lock_timeout"] == ("7s",)
         producer.commit()
     taken = queue.dequeue_many(10, lock_ms=LOCK_MS)
-    assert sorted(m.content for m in taken) == [b"mine", b"other", b"y"]
+    expected = [b"mine", b"other", b"y"] if other_commits else [b"mine", b"y"]
+    assert sorted(m.content for m in taken) == expected
     assert queue.verify() == []
 
 
 def test_create_many_stops_at_the_callers_lock_timeout_changing_nothing(
     dsn: str, queue: Queue, admin: Conn
 ) -> None:
-    """The last round of 0019's insert waits under the caller's own lock_timeout: when that
-    runs out the caller gets the error (nothing is created), not a message without a row."""
+    """A row another writer is making (a single create, which takes no creation lock) is
+    waited for under the caller's own lock_timeout: when that runs out the caller gets the
+    error and nothing is created, never a message without a channel row."""
     with _session(dsn) as other, _session(dsn) as producer:
         queue.create(b"other", channel="n", conn=other)
         producer.execute("SET LOCAL lock_timeout = '200ms'")

@@ -16,9 +16,10 @@
 -- The same wait came from inserting a row that was missing at the producer's last look but
 -- made by another producer since: the unique check waits for each transaction rewriting it.
 --
--- Now missing rows are inserted with ON CONFLICT DO NOTHING, giving up after 50 ms and looking
--- again at which rows are missing; only rows still late as committed, by the clock now, are
--- locked (in name order) and moved forward. Same results, events and lock order otherwise.
+-- Now the producers that make a missing row take turns on a creation lock per channel
+-- (an advisory lock, in name order) and look again once they hold it, so a row made meanwhile
+-- is never inserted over; only rows still late as committed, by the clock now, are locked (in
+-- name order) and moved forward. Same results, events and lock order otherwise.
 
 
 -- message_create_many(): as in 0016, with the channel rows written as said above.
@@ -44,8 +45,6 @@ DECLARE
     v_first_ids BIGINT[];
     v_seen BIGINT[];
     v_written TEXT[];
-    v_missing TEXT[];
-    v_timeout TEXT;
 BEGIN
     IF v_count IS NULL OR v_count = 0 OR v_count > 100000
         OR coalesce(cardinality(p_channels), v_count) <> v_count
@@ -127,55 +126,35 @@ BEGIN
     ) l;
 
     IF v_late IS NOT NULL THEN
-        -- Missing rows are created, in name order. An insert waits for every transaction
-        -- still writing a row of the same name, including each dequeue that rewrites a row
-        -- another producer made meanwhile, one after the other for as long as dequeues keep
-        -- taking it. So the insert may wait 50 ms at most: if it times out, the rows missing
-        -- as committed now are looked up again and inserted (a row made meanwhile is no longer
-        -- missing, and is handled below with the existing ones). The last round waits as
-        -- long as it must.
-        v_written := ARRAY[]::TEXT[];
-        v_timeout := current_setting('lock_timeout');
-        FOR v_round IN 1..20 LOOP
-            v_missing := ARRAY(
-                SELECT u.name FROM unnest(v_late) AS u(name)
-                WHERE NOT EXISTS (SELECT FROM channel c WHERE c.name = u.name)
-                ORDER BY u.name);
-            EXIT WHEN cardinality(v_missing) = 0;
-            BEGIN
-                IF v_round < 20 THEN
-                    PERFORM set_config('lock_timeout', '50ms', TRUE);
-                END IF;
-                WITH created AS (
-                    INSERT INTO channel AS c (name, next_dequeue_at)
-                    SELECT u.name, u.at FROM unnest(v_late, v_late_ats) AS u(name, at)
-                    WHERE u.name = ANY (v_missing)
-                    ORDER BY u.name
-                    ON CONFLICT (name) DO NOTHING
-                    RETURNING c.name
-                )
-                SELECT coalesce(array_agg(w.name), ARRAY[]::TEXT[]) INTO v_written FROM created w;
-                PERFORM set_config('lock_timeout', v_timeout, TRUE);
-                EXIT;
-            EXCEPTION WHEN lock_not_available THEN
-                -- The subtransaction's end put lock_timeout back. In the last round the
-                -- caller's own lock_timeout ran out: that is the caller's error.
-                IF v_round = 20 THEN
-                    RAISE;
-                END IF;
-            END;
-        END LOOP;
+        -- Missing rows are created, in name order, one producer at a time per channel: each
+        -- takes the channel's creation lock, then looks again, as committed now. A row
+        -- another producer made meanwhile is then no longer missing and is not inserted:
+        -- inserting it would wait, in the unique check, for every transaction writing that
+        -- row, including each dequeue rewriting it, one after the other for as long as
+        -- dequeues keep taking it. (ON CONFLICT covers the writers that take no creation
+        -- lock: a single create, a defer, a Spark write.)
+        PERFORM pg_advisory_xact_lock(channel_key(u.name) # 1)
+        FROM unnest(v_late) AS u(name)
+        WHERE NOT EXISTS (SELECT FROM channel c WHERE c.name = u.name);
+        WITH created AS (
+            INSERT INTO channel AS c (name, next_dequeue_at)
+            SELECT u.name, u.at FROM unnest(v_late, v_late_ats) AS u(name, at)
+            WHERE NOT EXISTS (SELECT FROM channel x WHERE x.name = u.name)
+            ORDER BY u.name
+            ON CONFLICT (name) DO NOTHING
+            RETURNING c.name
+        )
+        SELECT coalesce(array_agg(w.name), ARRAY[]::TEXT[]) INTO v_written FROM created w;
         -- Existing rows are locked (in name order) and moved forward only if they are late as
         -- committed now, by the clock now (plus the 10 ms above: a producer that waited has
         -- messages stamped with its transaction's start, which every row a dequeue has just
-        -- pushed to its own clock is later than). A row due by then is left alone, even while a
-        -- dequeue holds it: that
-        -- dequeue cannot leave it later than its clock + 10 ms while these messages' channel
-        -- locks are held (channel_rotate), and every other writer only moves it earlier. Before
-        -- 0019 one upsert locked every such row to find out, and a producer could wait behind
-        -- one dequeue after another holding a busy channel's row (each SKIP LOCKED dequeue took
-        -- the row between the producer's retries): seconds, with every other producer waiting
-        -- on it in turn.
+        -- pushed to its own clock is later than). A row due by then is left alone, even while
+        -- a dequeue holds it: that dequeue cannot leave it later than its clock + 10 ms while
+        -- these messages' channel locks are held (channel_rotate), and every other writer only
+        -- moves it earlier. Before 0019 one upsert locked every such row to find out, and a
+        -- producer could wait behind one dequeue after another holding a busy channel's row
+        -- (each SKIP LOCKED dequeue took the row between the producer's retries): seconds,
+        -- with every other producer waiting on it in turn.
         v_clock := v_now + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT
             + 10;
         PERFORM FROM channel c
