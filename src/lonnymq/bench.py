@@ -72,7 +72,7 @@ class Profile:
 PROFILES = {
     "default": Profile(
         "default",
-        5,
+        4,
         3,
         8,
         (1, 100, 100_000),
@@ -386,8 +386,12 @@ class Bench:
                         self.reset()
                         before = 0
                         if shape == "drain":
-                            # Batches drain faster: give them more, the raw queue most.
-                            scale = 10 if kind == "raw" else (4 if batch > 1 else 1)
+                            # Enough not to run dry within the run: batches drain faster,
+                            # the raw queue's most; lonnymq's batches over 100,000 channels
+                            # drain slower (and filling that many channels is slow).
+                            scale = 1
+                            if batch > 1:
+                                scale = 10 if kind == "raw" else (4 if channels < 1000 else 1)
                             before = self.profile.prefill * scale
                             self.prefill("raw" if kind == "raw" else "lonnymq", before, channels)
                         with self._maintained(kind):
@@ -709,14 +713,27 @@ def run_bench(
     }
     results: list[Result] = []
     latency: list[dict[str, Any]] = []
+    sections: dict[str, float] = {}
+    mark = time.perf_counter()
+
+    def section_done(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        sections[name] = now - mark
+        mark = now
+        log(f"  ({name}: {sections[name]:.0f}s)")
+
     if not spark_only:
         log("throughput (pgbench):")
         results = bench.throughput()
+        section_done("throughput")
         log("dequeue latency (one call at a time):")
         latency = bench.latency()
+        section_done("latency")
         log("the worker:")
         wakeup = bench.wakeup()
         worker = bench.worker_drain()
+        section_done("worker")
         raw_drain = _raw_medians(results).get(("drain", 1))
         if raw_drain:
             worker["ratio_to_raw_drain"] = worker["msgs_per_s"] / raw_drain
@@ -728,7 +745,9 @@ def run_bench(
             "vacuums": bench.vacuums,
         }
     spark = _spark_section(dsn, chosen.name, log)
+    section_done("spark")
     report["spark"] = spark
+    report["section_seconds"] = sections
     if not spark_only:
         drop_schemas(dsn)
         log("\n" + _table(results))
