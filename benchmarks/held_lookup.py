@@ -41,7 +41,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
-from lonnymq.bench import SCRIPTS, pgbench_path
+from lonnymq.bench import SCRIPTS, drop_schemas, pgbench_path
 
 # What 0018 replaced, and the migration that last defined each before it.
 EARLIER = {
@@ -220,11 +220,7 @@ def main() -> None:
                     new = statistics.median(times["0018"][op])
                     print(f"  {op:<14} 0017 {old:8.3f}   0018 {new:8.3f}   {old / new:6.1f}x")
     finally:
-        with psycopg.connect(args.dsn, autocommit=True) as conn:
-            for schema in schemas.values():
-                conn.execute(
-                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-                )
+        drop_schemas(args.dsn, *schemas.values())
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
-from lonnymq.bench import pgbench_path
+from lonnymq.bench import drop_schemas, pgbench_path
 
 # (migration file, function) as it was before 0016.
 BEFORE = [
@@ -134,11 +134,7 @@ def main() -> None:
                 f"({after / before:.2f}x; rounds {rounds})"
             )
     finally:
-        with psycopg.connect(args.dsn, autocommit=True) as conn:
-            for schema in schemas.values():
-                conn.execute(
-                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-                )
+        drop_schemas(args.dsn, *schemas.values())
 
 
 if __name__ == "__main__":

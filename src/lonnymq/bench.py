@@ -171,10 +171,11 @@ def spark_unavailable() -> str | None:
     return None
 
 
-def drop_schemas(dsn: str) -> None:
-    """Drop the schemas a benchmark run made (the lonnymq queue's and the raw queue's)."""
+def drop_schemas(dsn: str, *schemas: str) -> None:
+    """Drop ``schemas`` (by default the two a bench run makes: the lonnymq queue's and the
+    raw queue's), if they exist."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for schema in (SCHEMA, RAW_SCHEMA):
+        for schema in schemas or (SCHEMA, RAW_SCHEMA):
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
