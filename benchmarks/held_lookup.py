@@ -27,6 +27,7 @@ table (finished = the rows gone), per round.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -77,7 +78,7 @@ class Held:
         return taken
 
 
-def _timed(conn: psycopg.Connection[Any], calls: int, call: Callable[[], object]) -> float:
+def _timed(calls: int, call: Callable[[], object]) -> float:
     started = time.perf_counter()
     for _ in range(calls):
         call()
@@ -96,7 +97,7 @@ def _round(conn: psycopg.Connection[Any], held: Held, calls: int) -> dict[str, f
         (mid, na) = held.pop(1)[0]
         conn.execute(delete, [mid, na])
 
-    beats = iter(range(10**9))
+    beats = itertools.count()
 
     def beat_one() -> None:
         mid, na = keep[next(beats) % len(keep)]
@@ -111,10 +112,10 @@ def _round(conn: psycopg.Connection[Any], held: Held, calls: int) -> dict[str, f
         conn.execute(beat_many, [[m for m, _ in batch], [a for _, a in batch], LOCK_MS])
 
     return {
-        "finish 1": _timed(conn, calls, finish_one),
-        "heartbeat 1": _timed(conn, calls, beat_one),
-        "finish 100": _timed(conn, max(1, calls // 10), finish_many),
-        "heartbeat 100": _timed(conn, max(1, calls // 10), beat_many_call),
+        "finish 1": _timed(calls, finish_one),
+        "heartbeat 1": _timed(calls, beat_one),
+        "finish 100": _timed(max(1, calls // 10), finish_many),
+        "heartbeat 100": _timed(max(1, calls // 10), beat_many_call),
     }
 
 
@@ -134,22 +135,27 @@ def _drain(dsn: str, schemas: dict[str, str], seconds: int, rounds: int) -> None
                     script = f"{tmp}/take_{version}_{batch}.sql"
                     with open(script, "w") as out:
                         out.write(SCRIPTS[("lonnymq", "take", batch)].format(s=ident.as_string()))
-                    count = sql.SQL("SELECT count(*) FROM {}.message").format(ident)
-                    before = conn.execute(count).fetchone()[0]  # type: ignore[index]
+                    before = _count(conn, schema)
                     args = [
                         pgbench_path(), "-n", "-c", "8", "-j", "2", "-T", str(seconds),
                         "-f", script, "-D", "id=0", "-D", "na=0", "-D", "ids={}", "-D", "nas={}",
                         dsn,
                     ]  # fmt: skip
                     subprocess.run(args, check=True, capture_output=True)
-                    after = conn.execute(count).fetchone()[0]  # type: ignore[index]
-                    rates[version].append((before - after) / seconds)
+                    rates[version].append((before - _count(conn, schema)) / seconds)
             print(
                 f"drain, {batch} per call, 8 clients, {seconds} s: "
                 + "; ".join(
                     f"{v} " + ", ".join(f"{r:,.0f}" for r in rates[v]) + " msg/s" for v in schemas
                 )
             )
+
+
+def _count(conn: psycopg.Connection[Any], schema: str) -> int:
+    row = conn.execute(
+        sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def _fill(conn: psycopg.Connection[Any], schema: str, total: int) -> None:
@@ -165,7 +171,7 @@ def _fill(conn: psycopg.Connection[Any], schema: str, total: int) -> None:
         )
 
 
-def _setup(dsn: str, schema: str, earlier: bool, held_count: int) -> None:
+def _setup(dsn: str, schema: str, earlier: bool, messages: int) -> None:
     with Queue(dsn, schema=schema) as queue:
         queue.install()
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -175,7 +181,7 @@ def _setup(dsn: str, schema: str, earlier: bool, held_count: int) -> None:
             for name, migration in EARLIER.items():
                 conn.execute(function_text(migration, name).encode())
             conn.execute(sql.SQL("SELECT {}.secure_functions()").format(ident))
-        _fill(conn, schema, held_count + 20_000)
+        _fill(conn, schema, messages)
         conn.execute(sql.SQL("VACUUM ANALYZE {}.message").format(ident))
         conn.execute(sql.SQL("VACUUM ANALYZE {}.channel").format(ident))
 
@@ -191,13 +197,15 @@ def main() -> None:
     args = parser.parse_args()
     if not args.dsn:
         parser.error("--dsn (or LONNYMQ_DSN) is required")
-    if 2 * args.rounds * (args.calls + 100 * max(1, args.calls // 10)) + 100 > args.held:
+    needed = 2 * args.rounds * (args.calls + 100 * max(1, args.calls // 10)) + 100
+    if not args.drain and needed > args.held:
         parser.error("--held is too small for that many --calls and --rounds")
     tag = uuid.uuid4().hex[:8]
     schemas = {"0017": f"lonnymq_bench_held17_{tag}", "0018": f"lonnymq_bench_held18_{tag}"}
     try:
         for version, schema in schemas.items():
-            _setup(args.dsn, schema, version == "0017", 0 if args.drain else args.held)
+            # --drain fills its own backlogs.
+            _setup(args.dsn, schema, version == "0017", 0 if args.drain else args.held + 20_000)
         if args.drain:
             _drain(args.dsn, schemas, args.seconds, args.rounds)
             return
