@@ -162,7 +162,10 @@ def test_worker_serves_metrics_and_stops_cleanly_on_sigterm(
             time.sleep(0.05)
         assert 'lonnymq_worker_messages_total{channel="mc",event="completed"} 2' in body
         assert 'lonnymq_worker_messages_total{channel="mc",event="dequeued"} 2' in body
-        assert 'lonnymq_sql_calls_total{operation="message_complete_and_dequeue"} 2' in body
+        sql_lines = [line for line in body.splitlines() if "lonnymq_sql_calls_total{" in line]
+        assert 'lonnymq_sql_calls_total{operation="message_complete_and_dequeue"} 2' in body, (
+            sql_lines
+        )
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     finally:
