@@ -274,6 +274,51 @@ def test_batch_creates_take_turns_making_a_missing_channel_row(
     assert queue.verify() == []
 
 
+@pytest.mark.parametrize("other_commits", [True, False], ids=["other-commits", "other-aborts"])
+@pytest.mark.parametrize("op", ["create", "defer"])
+def test_single_writes_take_turns_making_a_missing_channel_row(
+    dsn: str, queue: Queue, admin: Conn, other_commits: bool, op: str
+) -> None:
+    """Another session is making channel n's row (its create is not committed): a single
+    create, or a defer of a message of n whose row went when its last waiting message was
+    taken, waits for the creation lock (0020) and looks again. Once it returns, its open
+    transaction does not hold the row (before 0020 its upsert locked a row that was due and
+    kept it to commit, so every dequeue skipped it), and its message is served."""
+    held = None
+    if op == "defer":
+        queue.create(b"mine", channel="n")
+        held = queue.dequeue(lock_ms=LOCK_MS)
+        assert held is not None
+        assert _channel_rows(admin, queue.schema) == []
+    with _session(dsn) as other, _session(dsn) as producer:
+        queue.create(b"other", channel="n", conn=other)
+
+        def write() -> None:
+            if held is None:
+                queue.create(b"mine", channel="n", conn=producer)
+            else:
+                queue.defer(held, conn=producer)
+
+        writer = _Background(write)
+        time.sleep(0.3)
+        assert writer.is_alive()
+        if other_commits:
+            other.commit()
+        else:
+            other.rollback()
+        writer.join()
+        if other_commits:
+            # Free to lock at once: nobody holds it.
+            admin.execute(
+                _q(queue.schema, "SELECT FROM {}.channel WHERE name = 'n' FOR UPDATE NOWAIT")
+            )
+        producer.commit()
+    taken = queue.dequeue_many(10, lock_ms=LOCK_MS)
+    expected = [b"mine", b"other"] if other_commits else [b"mine"]
+    assert sorted(m.content for m in taken) == expected
+    assert queue.verify() == []
+
+
 def test_create_many_stops_at_the_callers_lock_timeout_changing_nothing(
     dsn: str, queue: Queue, admin: Conn
 ) -> None:
