@@ -28,6 +28,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
+from lonnymq.bench import drop_schemas
 
 FUNCTIONS = ("message_delete_many_0002", "message_delete_many")
 BACKLOG = 60_000
@@ -96,10 +97,7 @@ def main() -> None:
                     + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(*times.values(), strict=True))
                 )
         finally:
-            with psycopg.connect(args.dsn, autocommit=True) as conn:
-                conn.execute(
-                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-                )
+            drop_schemas(args.dsn, schema)
 
 
 if __name__ == "__main__":

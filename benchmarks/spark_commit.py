@@ -25,6 +25,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
+from lonnymq.bench import drop_schemas
 from lonnymq.spark import bench
 
 TAGS = ["p0-a0-t1-00000000", "p1-a0-t2-00000000"]
@@ -98,11 +99,7 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        with psycopg.connect(args.dsn, autocommit=True) as conn:
-            for schema in schemas:
-                conn.execute(
-                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-                )
+        drop_schemas(args.dsn, *schemas)
     print(
         f"median of {args.reps}, {rows:,} rows: "
         + ", ".join(f"{k} {rows / statistics.median(v):,.0f} rows/s" for k, v in times.items())

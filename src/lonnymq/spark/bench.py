@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
+from ..bench import drop_schemas
 from ..bench import spark_unavailable as unavailable
 from ..queue import Queue
 
@@ -158,11 +159,8 @@ class _Schemas:
         return int(row[0]) if row else 0
 
     def drop(self) -> None:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            for schema in self.made:
-                conn.execute(
-                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
-                )
+        if self.made:
+            drop_schemas(self.dsn, *self.made)
         self.made.clear()
 
 
