@@ -8,7 +8,10 @@ Each shape runs the bench's own pgbench scripts (8 producers and 8 consumers, on
 without maintenance, the queues taking turns. Around each run the server's ``pg_stat_wal``
 (PostgreSQL 14+) and the database's committed transactions are read: divided by the messages
 that went through (counted from the queue's id sequence and table, as the bench does), they
-say what each message costs the server's log. Nothing else should run on the server meanwhile.
+say what each message costs the server's log. "made/msg" is how many messages the producers
+made per message consumed: above 1 the producers outran the consumers (a backlog grew) and
+the per-message figures also carry the extra creates. Nothing else should run on the server
+meanwhile.
 """
 
 from __future__ import annotations
@@ -65,12 +68,13 @@ def _rounds(bench: Bench, dsn: str, seconds: int, rounds: int) -> None:
             rate = bench._run(kind, "steady", batch, channels, 0)
             after = _counters(dsn)
             msgs = rate * seconds
+            made = bench._produced(kind) / msgs
             records, fpi, size, commits = (a - b for a, b in zip(after, before, strict=True))
             label = "raw" if kind == "raw" else f"lonnymq, {channels} ch"
             print(
                 f"  batch {batch:<3} {label:<16} {rate:>9,.0f} msg/s  {size / msgs:7,.0f} WAL B/msg"
                 f"  {records / msgs:5.1f} records/msg  {fpi / msgs:5.2f} FPI/msg"
-                f"  {commits / msgs:5.2f} commits/msg"
+                f"  {commits / msgs:5.2f} commits/msg  {made:4.1f} made/msg"
             )
 
 
