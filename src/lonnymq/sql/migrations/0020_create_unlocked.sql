@@ -13,8 +13,8 @@
 -- message_create inserted every message with ON CONFLICT (channel, dedup_key) DO NOTHING.
 -- That is a speculative insertion even when the key is NULL (and the row is not in the
 -- partial unique index): an extra HEAP_CONFIRM record in the WAL for each message, about 5 %
--- of a create's WAL in the steady single-message shape of the bench. Without a key the
--- insert is now a plain one.
+-- of what a message writes to the WAL in the steady single-message shapes of the bench
+-- (create, take and finish). Without a key the insert is now a plain one.
 
 
 -- channel_wake(): as in 0011, with the channel row written as said above.
