@@ -19,7 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from lonnymq.bench import BATCH, PROFILES, Bench, drop_schemas
+from lonnymq.bench import BATCH, BENCH_SCHEMAS, PROFILES, Bench, drop_schemas
 
 # (shape, messages per call, queue, channels)
 SHAPES = [
@@ -90,7 +90,7 @@ def main() -> None:
                 f"with {on:>9,.0f}  ({on / off:.2f}x)"
             )
     finally:
-        drop_schemas(args.dsn)
+        drop_schemas(args.dsn, *BENCH_SCHEMAS)
 
 
 if __name__ == "__main__":

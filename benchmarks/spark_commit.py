@@ -99,8 +99,7 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        if schemas:
-            drop_schemas(args.dsn, *schemas)
+        drop_schemas(args.dsn, *schemas)
     print(
         f"median of {args.reps}, {rows:,} rows: "
         + ", ".join(f"{k} {rows / statistics.median(v):,.0f} rows/s" for k, v in times.items())

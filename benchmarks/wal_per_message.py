@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psycopg
 
-from lonnymq.bench import BATCH, PROFILES, Bench, drop_schemas
+from lonnymq.bench import BATCH, BENCH_SCHEMAS, PROFILES, Bench, drop_schemas
 
 # (messages per call, queue, channels)
 SHAPES = [(1, "raw", 1), (1, "lonnymq", 1), (1, "lonnymq", 100)]
@@ -57,7 +57,7 @@ def main() -> None:
     try:
         _rounds(bench, args.dsn, args.seconds, args.rounds)
     finally:
-        drop_schemas(args.dsn)
+        drop_schemas(args.dsn, *BENCH_SCHEMAS)
 
 
 def _rounds(bench: Bench, dsn: str, seconds: int, rounds: int) -> None:

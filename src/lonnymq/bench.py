@@ -42,6 +42,8 @@ __all__ = ["Profile", "run_bench", "spark_unavailable"]
 
 SCHEMA = "lonnymq_bench"
 RAW_SCHEMA = "lonnymq_bench_raw"
+# The two schemas a bench run makes: the lonnymq queue's and the raw queue's.
+BENCH_SCHEMAS = (SCHEMA, RAW_SCHEMA)
 LOCK_MS = 60_000
 BATCH = 100
 MAINTENANCE_S = 1.0
@@ -172,10 +174,12 @@ def spark_unavailable() -> str | None:
 
 
 def drop_schemas(dsn: str, *schemas: str) -> None:
-    """Drop ``schemas`` (by default the two a bench run makes: the lonnymq queue's and the
-    raw queue's), if they exist."""
+    """Drop ``schemas`` (none: nothing; a bench run's own are ``BENCH_SCHEMAS``), if they
+    exist."""
+    if not schemas:
+        return
     with psycopg.connect(dsn, autocommit=True) as conn:
-        for schema in schemas or (SCHEMA, RAW_SCHEMA):
+        for schema in schemas:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
@@ -750,7 +754,7 @@ def run_bench(
     report["spark"] = spark
     report["section_seconds"] = sections
     if not spark_only:
-        drop_schemas(dsn)
+        drop_schemas(dsn, *BENCH_SCHEMAS)
         log("\n" + _table(results))
     if "write" in spark:
         log("\n" + _spark_table(spark))

@@ -159,8 +159,7 @@ class _Schemas:
         return int(row[0]) if row else 0
 
     def drop(self) -> None:
-        if self.made:
-            drop_schemas(self.dsn, *self.made)
+        drop_schemas(self.dsn, *self.made)
         self.made.clear()
 
 
