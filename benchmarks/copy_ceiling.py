@@ -4,8 +4,9 @@ from two in parallel, against one connection's binary COPY into a plain table.
 
     python benchmarks/copy_ceiling.py [--dsn DSN] [--rows 200000] [--rounds 3]
 
-Same rows as the Spark section of ``lonnymq bench`` (100 channels, ~40-byte contents). The
-ratio is the plain table's time over the other's: the most a Spark write could reach before
+Same rows as the Spark section of ``lonnymq bench`` (100 channels, ~40-byte contents), and
+its raw COPY (``lonnymq.spark.bench.raw_copy``) as the plain table. The ratio is the plain
+table's time over the other's: the most a Spark write could reach before
 Spark's own time and the channels' bookkeeping are added.
 """
 
@@ -21,16 +22,17 @@ from psycopg import sql
 
 from lonnymq import Queue
 from lonnymq.bench import drop_schemas
+from lonnymq.spark.bench import raw_copy
 
 SCHEMA = "lonnymq_copy_ceiling"
 CHANNELS = 100
 
 
-def _copy(dsn: str, table: str, columns: list[str], rows: range, now: int | None) -> None:
+def _copy(dsn: str, rows: range, now: int) -> None:
     with psycopg.connect(dsn) as conn:
-        statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
-            sql.Identifier(SCHEMA, table), sql.SQL(", ").join(map(sql.Identifier, columns))
-        )
+        statement = sql.SQL(
+            "COPY {} (channel, content, dequeue_at, created_at) FROM STDIN (FORMAT BINARY)"
+        ).format(sql.Identifier(SCHEMA, "message"))
         with conn.cursor() as cursor, cursor.copy(statement) as copy:
             copy.set_types(["text", "bytea", "int8", "int8"])
             for i in rows:
@@ -38,25 +40,16 @@ def _copy(dsn: str, table: str, columns: list[str], rows: range, now: int | None
         conn.commit()
 
 
-def _timed(dsn: str, table: str, total: int, parts: int) -> float:
-    """Seconds to load ``total`` rows into ``table`` over ``parts`` parallel connections."""
+def _timed(dsn: str, total: int, parts: int) -> float:
+    """Seconds to load ``total`` rows into ``message`` over ``parts`` parallel connections."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(SCHEMA, table)))
-    if table == "raw":
-        columns, now = ["channel", "content", "dequeue_at", "dedup_key"], None
-    else:
-        columns, now = ["channel", "content", "dequeue_at", "created_at"], int(time.time() * 1000)
+        conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(SCHEMA, "message")))
+    now = int(time.time() * 1000)
     step = total // parts
     threads = [
         threading.Thread(
             target=_copy,
-            args=(
-                dsn,
-                table,
-                columns,
-                range(k * step, total if k == parts - 1 else (k + 1) * step),
-                now,
-            ),
+            args=(dsn, range(k * step, total if k == parts - 1 else (k + 1) * step), now),
         )
         for k in range(parts)
     ]
@@ -79,17 +72,10 @@ def main() -> None:
     with Queue(args.dsn, schema=SCHEMA) as queue:
         queue.install()
     try:
-        with psycopg.connect(args.dsn, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE {} (id BIGSERIAL PRIMARY KEY, channel TEXT NOT NULL,"
-                    " content BYTEA NOT NULL, dequeue_at BIGINT, dedup_key TEXT)"
-                ).format(sql.Identifier(SCHEMA, "raw"))
-            )
         for round_no in range(args.rounds):
-            raw = _timed(args.dsn, "raw", args.rows, 1)
-            one = _timed(args.dsn, "message", args.rows, 1)
-            two = _timed(args.dsn, "message", args.rows, 2)
+            raw = raw_copy(args.dsn, SCHEMA, args.rows)
+            one = _timed(args.dsn, args.rows, 1)
+            two = _timed(args.dsn, args.rows, 2)
             print(
                 f"round {round_no + 1}: plain table {raw:.3f} s; message, 1 connection"
                 f" {one:.3f} s ({raw / one:.2f}x), 2 connections {two:.3f} s ({raw / two:.2f}x)"
