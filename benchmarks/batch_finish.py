@@ -28,7 +28,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
-from lonnymq.bench import drop_schemas
+from lonnymq.bench import drop_schemas, fill_backlog
 
 FUNCTIONS = ("message_delete_many_0002", "message_delete_many")
 BACKLOG = 60_000
@@ -74,16 +74,7 @@ def main() -> None:
                 conn.execute(
                     function_text("0002_fast_paths.sql", FUNCTIONS[1], FUNCTIONS[0]).encode()
                 )
-                conn.execute(
-                    sql.SQL(
-                        "SELECT count(*) FROM {}.message_create_many("
-                        "ARRAY(SELECT 'c' || (g %% %s) FROM generate_series(1, %s) g), "
-                        "array_fill('\\x00'::bytea, ARRAY[%s]), NULL, NULL)"
-                    ).format(ident),
-                    [channels, BACKLOG, BACKLOG],
-                )
-                conn.execute(sql.SQL("ANALYZE {}.message").format(ident))
-                conn.execute(sql.SQL("ANALYZE {}.channel").format(ident))
+                fill_backlog(conn, schema, BACKLOG, channels)
                 times: dict[str, list[float]] = {f: [] for f in FUNCTIONS}
                 for _ in range(args.rounds):
                     for function in FUNCTIONS:

@@ -42,7 +42,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
-from lonnymq.bench import SCRIPTS, drop_schemas, pgbench_path
+from lonnymq.bench import SCRIPTS, drop_schemas, fill_backlog, pgbench_path
 
 # What 0018 replaced, and the migration that last defined each before it.
 EARLIER = {
@@ -129,7 +129,7 @@ def _drain(dsn: str, schemas: dict[str, str], seconds: int, rounds: int) -> None
                     ident = sql.Identifier(schema)
                     conn.execute(sql.SQL("TRUNCATE {}.message").format(ident))
                     conn.execute(sql.SQL("DELETE FROM {}.channel").format(ident))
-                    _fill(conn, schema, 300_000 if batch == 1 else 900_000)
+                    fill_backlog(conn, schema, 300_000 if batch == 1 else 900_000, 100)
                     conn.execute(sql.SQL("VACUUM ANALYZE {}.message").format(ident))
                     conn.execute(sql.SQL("VACUUM ANALYZE {}.channel").format(ident))
                     script = f"{tmp}/take_{version}_{batch}.sql"
@@ -158,19 +158,6 @@ def _count(conn: psycopg.Connection[Any], schema: str) -> int:
     return int(row[0]) if row else 0
 
 
-def _fill(conn: psycopg.Connection[Any], schema: str, total: int) -> None:
-    for start in range(0, total, 50_000):
-        n = min(50_000, total - start)
-        conn.execute(
-            sql.SQL(
-                "SELECT count(*) FROM {}.message_create_many("
-                "ARRAY(SELECT 'c' || (g %% 100) FROM generate_series(1, %s) g), "
-                "array_fill('\\x00'::bytea, ARRAY[%s]), NULL, NULL)"
-            ).format(sql.Identifier(schema)),
-            [n, n],
-        )
-
-
 def _setup(dsn: str, schema: str, earlier: bool, messages: int) -> None:
     with Queue(dsn, schema=schema) as queue:
         queue.install()
@@ -181,7 +168,7 @@ def _setup(dsn: str, schema: str, earlier: bool, messages: int) -> None:
             for name, migration in EARLIER.items():
                 conn.execute(function_text(migration, name).encode())
             conn.execute(sql.SQL("SELECT {}.secure_functions()").format(ident))
-        _fill(conn, schema, messages)
+        fill_backlog(conn, schema, messages, 100)
         conn.execute(sql.SQL("VACUUM ANALYZE {}.message").format(ident))
         conn.execute(sql.SQL("VACUUM ANALYZE {}.channel").format(ident))
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import tempfile
 import uuid
 from pathlib import Path
@@ -28,7 +26,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
-from lonnymq.bench import drop_schemas, pgbench_path
+from lonnymq.bench import drop_schemas, fill_backlog, pgbench_rate
 
 # (migration file, function) as it was before 0016.
 BEFORE = [
@@ -39,6 +37,9 @@ BEFORE = [
     ("0011_due_channels.sql", "message_dequeue_many"),
     ("0011_due_channels.sql", "message_create_many"),
 ]
+
+# The calls carry the messages they hold from one call to the next (none to start).
+DEFINES = {"id": "0", "na": "0", "ids": "{}", "nas": "{}"}
 
 SCRIPTS = {
     "create 1": (
@@ -70,18 +71,6 @@ def _before_text() -> str:
     return "\n".join(parts) + "\nSELECT secure_functions();\n"
 
 
-def _tps(pgbench: str, script: Path, dsn: str, clients: int, seconds: int) -> float:
-    args = [
-        pgbench, "-n", "-c", str(clients), "-j", "1", "-T", str(seconds), "-f", str(script),
-        "-D", "id=0", "-D", "na=0", "-D", "ids={}", "-D", "nas={}", dsn,
-    ]  # fmt: skip
-    output = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    found = re.search(r"tps = ([0-9.]+)", output)
-    if found is None:
-        raise RuntimeError(f"pgbench printed no rate:\n{output[-2000:]}")
-    return float(found[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dsn", default=os.environ.get("LONNYMQ_DSN"))
@@ -91,7 +80,6 @@ def main() -> None:
     args = parser.parse_args()
     if not args.dsn:
         parser.error("--dsn (or LONNYMQ_DSN) is required")
-    pgbench = pgbench_path()
     tmp = Path(tempfile.mkdtemp(prefix="lonnymq-lean-"))
     schemas = {
         label: f"lonnymq_bench_{label}_{uuid.uuid4().hex[:8]}" for label in ("before", "0016")
@@ -105,22 +93,20 @@ def main() -> None:
                 if label == "before":
                     conn.execute(sql.SQL("SET search_path = {}").format(ident))
                     conn.execute(_before_text().encode())
-                for _ in range(2):  # at most 100,000 per call
-                    conn.execute(
-                        sql.SQL(
-                            "SELECT count(*) FROM {}.message_create_many("
-                            "ARRAY(SELECT 'c' || (g % 100) FROM generate_series(1, 100000) g), "
-                            "array_fill('\\x00'::bytea, ARRAY[100000]), NULL, NULL)"
-                        ).format(ident)
-                    )
-                conn.execute(sql.SQL("ANALYZE {}.message").format(ident))
+                fill_backlog(conn, schema, 200_000, 100)
         rates: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.rounds):
             for call, text in SCRIPTS.items():
                 for label, schema in schemas.items():
                     script = tmp / f"{label}-{call.replace(' ', '_').replace('+', '_')}.sql"
                     script.write_text(text.format(s=sql.Identifier(schema).as_string()))
-                    rate = _tps(pgbench, script, args.dsn, args.clients, args.seconds)
+                    rate = pgbench_rate(
+                        script,
+                        args.dsn,
+                        clients=args.clients,
+                        seconds=args.seconds,
+                        defines=DEFINES,
+                    )
                     rates.setdefault((call, label), []).append(rate)
         print(f"calls/s, {args.clients} client(s), median of {args.rounds} rounds:")
         for call in SCRIPTS:

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +22,7 @@ import psycopg
 from psycopg import sql
 
 from lonnymq import NewMessage, Queue
-from lonnymq.bench import LOCK_MS, SCRIPTS, pgbench_path
+from lonnymq.bench import LOCK_MS, SCRIPTS, pgbench_rate
 
 SCHEMA = "lmq_bench_security"
 CHANNELS = 100
@@ -57,15 +55,8 @@ def _refill(queue: Queue, conn: psycopg.Connection[Any]) -> None:
 
 
 def _tps(dsn: str, script: Path, seconds: int, clients: int) -> float:
-    args = [
-        pgbench_path(), "-n", "-c", str(clients), "-j", "1", "-T", str(seconds),
-        "-f", str(script), "-D", f"channels={CHANNELS}", "-D", "id=0", "-D", "na=0", dsn,
-    ]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, check=False)
-    match = re.search(r"tps = ([0-9.]+)", done.stdout)
-    if done.returncode != 0 or match is None:
-        raise RuntimeError(f"pgbench failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    return float(match[1])
+    defines = {"channels": str(CHANNELS), "id": "0", "na": "0"}
+    return pgbench_rate(script, dsn, clients=clients, seconds=seconds, defines=defines)
 
 
 def _calls_per_s(conn: psycopg.Connection[Any], calls: int = 200_000) -> float:

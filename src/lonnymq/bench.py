@@ -201,6 +201,49 @@ def pgbench_path() -> str:
     return found
 
 
+def fill_backlog(conn: psycopg.Connection[Any], schema: str, count: int, channels: int) -> None:
+    """Create ``count`` one-byte messages in queue ``schema``, spread evenly over channels
+    ``c1`` .. ``c<channels>`` (batches of 10,000), then ANALYZE its tables."""
+    ident = sql.Identifier(schema)
+    chunk = 10_000
+    for start in range(0, count, chunk):
+        n = min(chunk, count - start)
+        conn.execute(
+            sql.SQL(
+                "SELECT count(*) FROM {}.message_create_many("
+                "ARRAY(SELECT 'c' || (1 + (g %% %s::int)) "
+                "FROM generate_series(%s::int, %s::int) g), "
+                "array_fill('\\x00'::bytea, ARRAY[%s::int]), NULL, NULL)"
+            ).format(ident),
+            (channels, start, start + n - 1, n),
+        )
+    conn.execute(sql.SQL("ANALYZE {}.message").format(ident))
+    conn.execute(sql.SQL("ANALYZE {}.channel").format(ident))
+
+
+def pgbench_tps(output: str, returncode: int) -> float:
+    """pgbench's transactions per second, read from its ``output``; raises if it failed."""
+    match = re.search(r"tps = ([0-9.]+)", output)
+    if returncode != 0 or match is None:
+        raise RuntimeError(f"pgbench failed:\n{output[-2000:]}")
+    return float(match[1])
+
+
+def pgbench_rate(
+    script: Path, dsn: str, *, clients: int, seconds: int, defines: dict[str, str] | None = None
+) -> float:
+    """Run pgbench on ``script`` (one thread, ``clients`` connections, ``seconds`` long, each
+    of ``defines`` set with -D) and return its transactions per second."""
+    args = [
+        pgbench_path(), "-n", "-c", str(clients), "-j", "1", "-T", str(seconds),
+        "-f", str(script),
+    ]  # fmt: skip
+    for name, value in (defines or {}).items():
+        args += ["-D", f"{name}={value}"]
+    done = subprocess.run([*args, dsn], capture_output=True, text=True, check=False)
+    return pgbench_tps(done.stdout + done.stderr, done.returncode)
+
+
 class Bench:
     """One benchmark run against one server."""
 
@@ -250,20 +293,7 @@ class Bench:
                     (count,),
                 )
                 return
-            chunk = 10_000
-            for start in range(0, count, chunk):
-                n = min(chunk, count - start)
-                conn.execute(
-                    sql.SQL(
-                        "SELECT count(*) FROM {}.message_create_many("
-                        "ARRAY(SELECT 'c' || (1 + (g %% %s::int)) "
-                        "FROM generate_series(%s::int, %s::int) g), "
-                        "array_fill('\\x00'::bytea, ARRAY[%s::int]), NULL, NULL)"
-                    ).format(sql.Identifier(SCHEMA)),
-                    (channels, start, start + n - 1, n),
-                )
-            conn.execute(sql.SQL("ANALYZE {}.message").format(sql.Identifier(SCHEMA)))
-            conn.execute(sql.SQL("ANALYZE {}.channel").format(sql.Identifier(SCHEMA)))
+            fill_backlog(conn, SCHEMA, count, channels)
 
     # -- pgbench -------------------------------------------------------------------------
 
@@ -284,10 +314,7 @@ class Bench:
     @staticmethod
     def _tps(proc: subprocess.Popen[str]) -> float:
         output, _ = proc.communicate()
-        match = re.search(r"tps = ([0-9.]+)", output)
-        if proc.returncode != 0 or match is None:
-            raise RuntimeError(f"pgbench failed:\n{output[-2000:]}")
-        return float(match[1])
+        return pgbench_tps(output, proc.returncode)
 
     def _number(self, kind: str, query: str, raw_name: str, lonnymq_name: str) -> int:
         """One number from ``query`` about the queue under test: ``{}`` is its relation
