@@ -1,4 +1,5 @@
-"""Every step of ``message_dequeue_many`` is an index probe, whatever the shape of the backlog.
+"""Every step of ``message_dequeue_many`` (``message_take_one`` for a single message, the general
+loop ``message_dequeue_loop`` otherwise) is an index probe, whatever the shape of the backlog.
 
 The statements run inside the plpgsql function, so their plans are captured with
 ``auto_explain`` (``log_nested_statements``) on a dedicated connection: each LOG notice carries
@@ -10,8 +11,9 @@ assert that:
 - every statement touching them is a known dequeue step (a new statement must be added to
   ``STEPS`` with its index), each uses its index (``message_unlock_ix``, ``channel_ready_ix``,
   ``message_channel_head_ix``, the primary keys) and the steps the shape needs all ran: the
-  policy path (``update_channel``), ``channel_rotate`` for a channel without a policy, and the
-  ride-along path when another session holds the channel's row;
+  policy path (``update_channel``), sending a channel without a policy to the back
+  (``turn_back``, and ``channel_rotate`` once a channel is drained), and the ride-along path
+  when another session holds the channel's row;
 - the dequeues returned exactly the messages a plain (slow, obviously right) query names;
 - the plans hold both for the custom plans of the first executions and for generic plans.
 
@@ -62,7 +64,7 @@ BAD_NODES = frozenset(
     {"Seq Scan", "Bitmap Heap Scan", "Bitmap Index Scan", "Sort", "Incremental Sort"}
 )
 
-# Each statement of message_dequeue_many is recognised by a fragment of its text; the value
+# Each statement of a dequeue is recognised by a fragment of its text; the value
 # names, per table, the indexes it may be probed with (a statement that locks a row found by a
 # sub-select probes the sub-select's index and then the primary key).
 # Fragments are tried in order (the first match names the step).
@@ -90,6 +92,15 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
         "h.channel = v_channel.name",
         {"message": frozenset({"message_channel_head_ix", "message_pkey"})},
     ),
+    # message_take_one (a dequeue of one message): the channel whose head it took goes to the
+    # back in the statement that reads its next head.
+    "turn_back": (
+        "x.channel = v_channel.name",
+        {
+            "channel": frozenset({"channel_pkey"}),
+            "message": frozenset({"message_channel_head_ix"}),
+        },
+    ),
     "update_channel": (
         "n.channel = c.name",
         {
@@ -112,10 +123,10 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
         },
     ),
 }
-# A channel without a policy is rotated; one with a policy has its row updated in place.
-HEAD_STEPS = frozenset(
-    {"recover", "pick_channel", "lock_head", "spread_heads", "rotate_head", "rotate_channel"}
-)
+# A channel without a policy goes to the back (channel_rotate when its next head is not due
+# or it has none); one with a policy has its row updated in place.
+HEAD_STEPS = frozenset({"recover", "pick_channel", "lock_head", "spread_heads", "turn_back"})
+ROTATE_STEPS = frozenset({"rotate_head", "rotate_channel"})
 POLICY_HEAD_STEPS = frozenset({"recover", "pick_channel", "lock_head", "update_channel"})
 RIDE_ALONG_STEPS = frozenset({"recover", "pick_channel", "find_busy", "busy_policy", "ride_along"})
 
@@ -242,7 +253,7 @@ SHAPES = [
         "many_channels",
         (_insert("'c' || g", dequeue_at="epoch() - 1000000 + g"),),
         "SELECT id FROM message ORDER BY dequeue_at, id",
-        HEAD_STEPS,
+        HEAD_STEPS | ROTATE_STEPS,
     ),
     # (d) 10^5 messages whose locks expired: the oldest lock is recovered first.
     Shape(
