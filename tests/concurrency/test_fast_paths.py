@@ -200,6 +200,48 @@ def test_ride_along_moves_on_when_a_busy_channels_heads_are_taken(dsn: str, queu
     assert left.id == first
 
 
+@pytest.mark.parametrize("cycle", [False, True], ids=["dequeue", "complete_and_dequeue"])
+def test_single_dequeue_passes_a_channel_whose_heads_are_held(
+    dsn: str, queue: Queue, admin: Conn, cycle: bool
+) -> None:
+    """The channel whose turn it is has its row free but its only head held by another
+    session (riding along): a dequeue of one message sends that channel back and takes the
+    next channel's head instead, and the held head is served once it is free. Before 0022 the
+    call took the same channel again at every probe and answered nothing (a false empty)."""
+    now = queue.now()
+    first = queue.create(b"a", channel="a", dequeue_at=now - 1_000).id  # "a" comes first
+    second = queue.create(b"b", channel="b").id
+    done = queue.create(b"d", channel="d", dequeue_at=now - 2_000)
+    held = queue.dequeue(lock_ms=LOCK_MS)  # "d", finished by the cycle below
+    assert held is not None
+    assert held.id == done.id
+
+    def take() -> Message | None:
+        if not cycle:
+            return queue.dequeue(lock_ms=LOCK_MS)
+        batch = queue.complete_and_dequeue([held], 1, lock_ms=LOCK_MS)
+        assert batch.completed == [AckStatus.OK]
+        return batch.messages[0] if batch.messages else None
+
+    with _session(dsn) as holder:
+        holder.execute(_q(queue.schema, "SELECT FROM {}.message WHERE id = %s FOR UPDATE"), [first])
+        got = take()
+        assert got is not None
+        assert got.id == second
+        # "a" is still due (its row kept, sent to the back), its message still waiting.
+        (row,) = admin.execute(
+            _q(queue.schema, "SELECT next_dequeue_at <= %s FROM {}.channel WHERE name = 'a'"),
+            [queue.now()],
+        ).fetchall()
+        assert row == (True,)
+        assert _table_counts(admin, queue.schema, "a") == (1, 0)
+        holder.rollback()
+    left = queue.dequeue(lock_ms=LOCK_MS)
+    assert left is not None
+    assert left.id == first
+    assert queue.dequeue(lock_ms=LOCK_MS) is None
+
+
 @pytest.mark.parametrize("batch", [False, True], ids=["create", "create_many"])
 def test_create_leaves_a_due_channel_row_held_by_a_dequeue_alone(
     dsn: str, queue: Queue, admin: Conn, batch: bool
