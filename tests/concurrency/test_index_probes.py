@@ -24,6 +24,7 @@ noisy and timings belong in the benchmark.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -655,3 +656,37 @@ def test_plan_checker_flags_a_seq_scan_and_a_sort(
     assert _problems(wrong_index) == [
         "[recover] Index Scan on message using x_ix, not message_pkey or message_unlock_ix"
     ]
+
+
+# A function probing for heads: an ordered head lookup with a LIMIT, or SKIP LOCKED.
+HEAD_PROBE = re.compile(
+    r"ORDER BY \w+\.(dequeue_at|unlock_at), \w+\.id\s+LIMIT|SKIP LOCKED", re.IGNORECASE
+)
+
+
+def test_every_function_probing_for_heads_plans_no_bitmap(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str
+) -> None:
+    """0023: the planner, expecting a row or two from old statistics, may read all of a
+    channel's entries through a bitmap and sort them; every function that looks for heads
+    runs with bitmap scans off, and the setting is gone once it returns."""
+    rows = admin.execute(
+        "SELECT p.proname, p.proconfig, p.prosrc FROM pg_proc p"
+        " JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+        [queue.schema],
+    ).fetchall()
+    probing = {
+        name for name, _, source in rows if HEAD_PROBE.search(re.sub(r"--[^\n]*", "", source or ""))
+    }
+    assert {"message_take_one", "message_dequeue_loop", "channel_rotate"} <= probing
+    off = {name for name, config, _ in rows if "enable_bitmapscan=off" in (config or [])}
+    assert probing <= off, f"probing for heads without enable_bitmapscan=off: {probing - off}"
+    queue.create(b"x", channel="a")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        taken = conn.execute(
+            sql.SQL("SELECT id FROM {}.message_dequeue_many(1, 1000)").format(
+                sql.Identifier(queue.schema)
+            )
+        ).fetchall()
+        assert len(taken) == 1
+        assert conn.execute("SHOW enable_bitmapscan").fetchone() == ("on",)
