@@ -242,6 +242,31 @@ def test_single_dequeue_passes_a_channel_whose_heads_are_held(
     assert queue.dequeue(lock_ms=LOCK_MS) is None
 
 
+@pytest.mark.parametrize("rows_held", [False, True], ids=["row-free", "rows-held"])
+@pytest.mark.parametrize("limit", [1, 5])
+def test_dequeue_passes_a_channel_whose_policy_is_being_changed(
+    dsn: str, queue: Queue, rows_held: bool, limit: int
+) -> None:
+    """The channel first in turn has its policy being changed (its advisory lock held
+    exclusively, as channel_policy_set holds it), its row free or, with every due channel's
+    row, held by another dequeue: a dequeue passes it and takes the next channel's message.
+    Before 0022 it answered "nothing"."""
+    now = queue.now()
+    first = queue.create(b"a", channel="a", dequeue_at=now - 1_000).id  # "a" comes first
+    second = queue.create(b"b", channel="b").id
+    with _session(dsn) as holder:
+        holder.execute(_q(queue.schema, "SELECT pg_advisory_xact_lock({}.channel_key('a'))"))
+        if rows_held:
+            holder.execute(
+                _q(queue.schema, "SELECT FROM {}.channel WHERE name IN ('a', 'b') FOR UPDATE")
+            )
+        got = queue.dequeue_many(limit, lock_ms=LOCK_MS)
+        assert [m.id for m in got] == [second]
+        holder.rollback()
+    left = queue.dequeue_many(limit, lock_ms=LOCK_MS)
+    assert [m.id for m in left] == [first]
+
+
 @pytest.mark.parametrize("batch", [False, True], ids=["create", "create_many"])
 def test_create_leaves_a_due_channel_row_held_by_a_dequeue_alone(
     dsn: str, queue: Queue, admin: Conn, batch: bool

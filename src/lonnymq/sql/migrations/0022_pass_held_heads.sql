@@ -13,10 +13,15 @@
 -- The general loop now records such a channel as passed, as it already did for a busy
 -- channel it could not ride along on, and its pick of the next channel skips the channels it
 -- passed. message_take_one hands such a case to the loop, which now serves the next channel.
+--
+-- A channel whose policy is being changed (its advisory lock held exclusively) is passed the
+-- same way. The loop used to stop there and answer "nothing" although another channel had a
+-- message to take, whether it had found that channel's row free or held by another dequeue
+-- (test_dequeue_passes_a_channel_whose_policy_is_being_changed in the same file).
 
 
 -- message_dequeue_loop(): as 0016's message_dequeue_many (renamed by 0021), passing a channel
--- whose due heads are all held.
+-- whose due heads are all held or whose policy is being changed.
 CREATE OR REPLACE FUNCTION message_dequeue_loop(p_limit INTEGER, p_lock_ms BIGINT)
 RETURNS TABLE (
     id BIGINT, channel TEXT, content BYTEA, state BYTEA, num_attempts INTEGER,
@@ -189,8 +194,12 @@ BEGIN
                 ORDER BY c.next_dequeue_at, c.turn
                 LIMIT 1;
                 EXIT WHEN NOT FOUND;
-                -- Ride along on a policy-free channel, unless its policy is being changed.
-                EXIT WHEN NOT pg_try_advisory_xact_lock_shared(channel_key(v_busy));
+                -- Ride along on a policy-free channel, unless its policy is being changed:
+                -- then pass it and try the next busy channel.
+                IF NOT pg_try_advisory_xact_lock_shared(channel_key(v_busy)) THEN
+                    v_passed := v_passed || v_busy;
+                    CONTINUE;
+                END IF;
                 IF NOT coalesce(
                         (SELECT c.has_policy FROM channel c WHERE c.name = v_busy), FALSE)
                 THEN
@@ -255,7 +264,9 @@ BEGIN
             -- messages does: a later delete or create of ours in this transaction then never
             -- waits for a policy change that waits for our row (a deadlock).
             IF v_found AND NOT pg_try_advisory_xact_lock_shared(channel_key(v_channel.name)) THEN
-                EXIT;  -- its policy is being changed: serve it next time
+                -- Its policy is being changed: serve it next time, and another channel now.
+                v_passed := v_passed || v_channel.name;
+                CONTINUE;
             END IF;
 
             IF v_found THEN
