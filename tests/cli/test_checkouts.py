@@ -1,0 +1,57 @@
+"""``benchmarks/checkouts.py`` runs end to end on one tree given twice (a smoke test: speed is
+never judged here): both sides drained messages, the ratio is printed, and the schemas are gone
+afterwards."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "checkouts.py"
+
+
+@pytest.mark.slow
+def test_checkouts_compares_two_trees_and_drops_its_schemas(dsn: str) -> None:
+    prefix = f"t_{uuid.uuid4().hex[:12]}"
+    result = subprocess.run(
+        [
+            sys.executable, str(SCRIPT), str(ROOT), str(ROOT), "--dsn", dsn,
+            "--prefix", prefix, "--channels", "10", "--backlog", "20000",
+            "--rounds", "2", "--clients", "2", "--seconds", "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    medians = re.findall(r"^[ab] .*: median ([\d,]+) msg/s \(([\d, ]+)\)$", result.stdout, re.M)
+    assert len(medians) == 2, result.stdout
+    for median, runs in medians:
+        assert int(median.replace(",", "")) > 0
+        assert len(runs.split(", ")) == 2
+    assert re.search(r"^b / a: \d+\.\d{3}$", result.stdout, re.M), result.stdout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname LIKE %s", (f"{prefix}%",)
+        ).fetchone()
+    assert left == (0,)
+
+
+def test_checkouts_refuses_a_tree_that_is_no_checkout(dsn: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), str(ROOT), "--dsn", dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "is no lonnymq checkout" in result.stderr
