@@ -11,6 +11,7 @@ Every error is a :class:`LonnyMQError`; refusals by the queue carry their own SQ
     ├── MessageError
     │   ├── MessageNotFoundError                     LQ001
     │   └── StaleMessageError                        LQ002
+    ├── ChannelFullError                             a message that may not be dropped met max_size
     ├── SchemaError
     │   ├── SchemaNotInstalledError
     │   └── SchemaVersionError
@@ -27,6 +28,7 @@ from __future__ import annotations
 import psycopg
 
 __all__ = [
+    "ChannelFullError",
     "DatabaseError",
     "DatabaseUnavailableError",
     "EmbeddedServerError",
@@ -91,6 +93,11 @@ class StaleMessageError(MessageError):
     or it went back to its channel. Nothing was changed; do not report the work as done."""
 
     sqlstate = "LQ002"
+
+
+class ChannelFullError(LonnyMQError):
+    """A channel at its ``max_size`` refused a message that must not be dropped (a dead-letter
+    copy); nothing was changed: the message is still where it was, and still held."""
 
 
 class SchemaError(LonnyMQError):

@@ -28,7 +28,13 @@ from . import events as _events
 from . import schedule as _schedule
 from .archive import ArchivedMessage, ReplayResult
 from .embedded import embedded_dsn, resolve_dsn
-from .errors import InvalidArgumentError, PermissionDeniedError, SchemaVersionError, translate
+from .errors import (
+    ChannelFullError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    SchemaVersionError,
+    translate,
+)
 from .events import Event, MessageOutcome
 from .metrics import OperationStats, Recorder
 from .schedule import Firing, Schedule, ScheduleSpec
@@ -36,6 +42,7 @@ from .types import (
     AckStatus,
     ChannelStats,
     CreateResult,
+    CreateStatus,
     DequeueBatch,
     Discrepancy,
     NewMessage,
@@ -634,15 +641,23 @@ class AsyncQueue:
         error: str,
         conn: AsyncConnection[Any] | None = None,
     ) -> CreateResult:
-        """Move a message you hold to ``channel`` in one transaction: a copy of its content is
-        created there and the message is finished as failed with ``error``."""
-        _core.check_message(message)
+        """Move a message you hold to ``channel`` in one transaction: a copy of its content (not
+        its state) is created there and the message is finished as failed with ``error``.
+
+        When ``channel`` is at its ``max_size`` nothing is done and :class:`ChannelFullError`
+        is raised: the message stays held by you (and comes back when its lock expires)."""
+        message_id, _ = _core.check_message(message)
         target = _core.check_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
             async with self.transaction() as own:
                 return await self.dead_letter(message, channel=target, error=text, conn=own)
         created = await self.create(message.content, channel=target, conn=conn)
+        if created.status is CreateStatus.DROPPED:
+            raise ChannelFullError(
+                f"dead-letter channel {target!r} is at its max_size: message {message_id} was not "
+                "moved and is still held; raise the limit or drain that channel"
+            )
         await self.fail(message, error=text, conn=conn)
         return created
 

@@ -9,7 +9,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import InvalidArgumentError, Queue, StaleMessageError
+from lonnymq import (
+    ChannelFullError,
+    CreateStatus,
+    InvalidArgumentError,
+    Queue,
+    StaleMessageError,
+)
 
 LOCK_MS = 60_000
 
@@ -69,3 +75,46 @@ def test_transaction_commits_together_or_not_at_all(queue: Queue) -> None:
     with pytest.raises(Boom):
         create_then_fail()
     assert [s.size for s in queue.stats()] == [2]
+
+
+def test_dead_letter_moves_the_content_and_fails_the_original(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    created = queue.create(b"poison", channel="work")
+    message = queue.dequeue(lock_ms=LOCK_MS)
+    assert message is not None
+    message.defer(state=b"step 2")
+    message = queue.dequeue(lock_ms=LOCK_MS)
+    assert message is not None
+    assert message.state == b"step 2"
+    moved = queue.dead_letter(message, channel="dead", error="gave up")
+    assert moved.status is CreateStatus.CREATED
+    assert _archive(admin, schema_name) == [(created.id, "failed", "gave up")]
+    copy = queue.dequeue(lock_ms=LOCK_MS)
+    assert copy is not None
+    # The copy carries the content, not the saved state.
+    assert (copy.id, copy.channel, copy.content, copy.state) == (moved.id, "dead", b"poison", None)
+
+
+def test_dead_letter_into_a_full_channel_raises_and_keeps_the_message_held(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.channel("dead").set_policy(max_size=1)
+    queue.create(b"earlier", channel="dead", dequeue_at=queue.now() + 3_600_000)
+    created = queue.create(b"poison", channel="work")
+    message = queue.dequeue(lock_ms=LOCK_MS)
+    assert message is not None
+    assert message.id == created.id
+    with pytest.raises(ChannelFullError, match=r"'dead' is at its max_size.*still held"):
+        queue.dead_letter(message, channel="dead", error="gave up")
+    # Nothing changed: the message is still held by this attempt, the dead channel as it was.
+    assert _archive(admin, schema_name) == []
+    by_channel = {s.channel: (s.size, s.in_flight) for s in queue.stats()}
+    assert by_channel == {"dead": (1, 0), "work": (1, 1)}
+    queue.channel("dead").set_policy(max_size=2)
+    assert queue.dead_letter(message, channel="dead", error="gave up").status is (
+        CreateStatus.CREATED
+    )
+    assert _archive(admin, schema_name) == [(created.id, "failed", "gave up")]

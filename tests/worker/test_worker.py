@@ -125,6 +125,43 @@ def test_exhausted_message_goes_to_the_dead_letter_channel(
     assert outcomes == [("work", "failed"), ("dead", "completed")]
 
 
+def test_a_full_dead_letter_channel_keeps_the_message_until_it_has_room(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    queue = make_queue(archive=True)
+    queue.channel("dead").set_policy(max_size=0)
+    created = queue.create(b"poison", channel="work")
+
+    def handler(message: Message) -> None:
+        raise RuntimeError("cannot")
+
+    worker = Worker(queue, handler, max_attempts=1, lock_ms=200, dead_letter_channel="dead")
+    thread = threading.Thread(target=worker.run, kwargs={"handle_signals": False})
+    thread.start()
+    try:
+        attempts = sql.SQL("SELECT num_attempts FROM {}.message WHERE id = %s").format(
+            sql.Identifier(schema_name)
+        )
+        deadline = time.monotonic() + 30
+        # Refused by the full channel, the message comes back when its lock expires and the
+        # worker tries to move it again: it is neither dropped nor failed meanwhile.
+        while (admin.execute(attempts, (created.id,)).fetchone() or (0,))[0] < 3:
+            assert time.monotonic() < deadline, "the message did not come back"
+            time.sleep(0.05)
+        assert _archive(admin, schema_name) == []
+        assert worker.stats.dead_lettered == 0
+        queue.channel("dead").set_policy(max_size=1)
+        while worker.stats.dead_lettered == 0:
+            assert time.monotonic() < deadline, "the message was not moved once there was room"
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+    [(message_id, channel, outcome, _, _)] = _archive(admin, schema_name)
+    assert (message_id, channel, outcome) == (created.id, "work", "failed")
+    assert [(s.channel, s.size) for s in queue.stats()] == [("dead", 1)]
+
+
 def test_long_handler_keeps_its_lock_through_heartbeats(
     make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
 ) -> None:
