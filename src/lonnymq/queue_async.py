@@ -435,10 +435,20 @@ class AsyncQueue:
                 else:
                     current = await self._migrate_on(conn)
                 if self._event_channel is not None or archive is not None:
-                    await conn.execute(
-                        self._sql["config_set"],
-                        {"event_channel": self._event_channel, "archive": archive},
+                    # Only a change needs config_set (an admin's function): a granted role
+                    # that asks for the settings already in place is not refused.
+                    cursor = await conn.execute(self._sql["config_get"])
+                    settings = await cursor.fetchone()
+                    assert settings is not None
+                    event_channel, archived = settings
+                    new_events = self._event_channel is not None and (
+                        (self._event_channel or None) != event_channel
                     )
+                    if new_events or (archive is not None and archive != archived):
+                        await conn.execute(
+                            self._sql["config_set"],
+                            {"event_channel": self._event_channel, "archive": archive},
+                        )
             ok = True
             return current
         except psycopg.Error as err:

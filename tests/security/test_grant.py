@@ -19,7 +19,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from lonnymq import NewMessage, Queue, RoleKind, migrate
+from lonnymq import NewMessage, Queue, RoleKind, Settings, migrate
 from lonnymq.errors import InvalidArgumentError, PermissionDeniedError
 from lonnymq.worker import Worker
 
@@ -468,3 +468,23 @@ def test_install_as_a_granted_role_succeeds_when_there_is_nothing_to_do(
     with pytest.raises(PermissionDeniedError, match="as the role that owns the queue"):
         as_producer.install()
     assert queue.stats() == []  # the refusal changed nothing
+
+
+def test_install_as_a_granted_role_may_name_the_settings_in_place_but_not_change_them(
+    queue: Queue, make_role: Callable[..., str], connect_as: Any
+) -> None:
+    with Queue(queue.dsn, schema=queue.schema, event_channel="lonnymq_events") as owner:
+        owner.install(archive=True)
+    role_dsn = connect_as("dsn")(_granted(make_role, queue, "producer"))
+    with Queue(role_dsn, schema=queue.schema, event_channel="lonnymq_events") as as_producer:
+        # The application's usual start-up line, as a producer: nothing to change, no refusal.
+        assert as_producer.install(archive=True) == migrate.latest_version()
+        assert as_producer.install() == migrate.latest_version()
+        with pytest.raises(PermissionDeniedError):
+            as_producer.install(archive=False)
+    with (
+        Queue(role_dsn, schema=queue.schema, event_channel="other_events") as as_producer,
+        pytest.raises(PermissionDeniedError),
+    ):
+        as_producer.install()
+    assert queue.settings() == Settings(event_channel="lonnymq_events", archive=True)
