@@ -162,6 +162,37 @@ def test_a_full_dead_letter_channel_keeps_the_message_until_it_has_room(
     assert [(s.channel, s.size) for s in queue.stats()] == [("dead", 1)]
 
 
+@pytest.mark.parametrize(("max_attempts", "outcome"), [(3, "completed"), (2, "failed")])
+def test_each_yield_of_a_handler_uses_an_attempt(
+    make_queue: Callable[..., Queue],
+    admin: psycopg.Connection[Any],
+    schema_name: str,
+    max_attempts: int,
+    outcome: str,
+) -> None:
+    queue = make_queue(archive=True)
+    created = queue.create(b"job", channel="c")
+    steps: list[bytes | None] = []
+
+    def handler(message: Message) -> None:
+        steps.append(message.state)
+        if len(steps) < 3:  # yield twice, saving where it stopped; finish on the third run
+            message.defer(state=b"step %d" % len(steps))
+
+    stats = Worker(queue, handler, max_attempts=max_attempts).run(
+        handle_signals=False, until_idle=True
+    )
+    [(message_id, _, archived, error, attempts)] = _archive(admin, schema_name)
+    assert (message_id, archived, attempts) == (created.id, outcome, 3)
+    if outcome == "completed":
+        assert steps == [None, b"step 1", b"step 2"]
+        assert stats.completed == 1
+    else:
+        assert steps == [None, b"step 1"]
+        assert "attempt 3 exceeds max_attempts=2" in error
+        assert "yielded by the handler" in error
+
+
 def test_long_handler_keeps_its_lock_through_heartbeats(
     make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
 ) -> None:

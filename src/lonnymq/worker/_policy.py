@@ -217,15 +217,16 @@ def _give_up(options: WorkerOptions, error: str) -> Decision:
 
 def before_run(message: _Held, options: WorkerOptions) -> Decision:
     """What to do with a message just dequeued. A message past ``max_attempts`` was taken by
-    workers that never reported (they crashed, or lost its lock): it is finished as failed
-    without running again, which bounds crash loops."""
+    workers that never reported (they crashed, or lost its lock) or was yielded by its handler
+    as often: it is finished as failed without running again, which bounds crash loops."""
     if message.channel == SCHEDULE_CHANNEL:
         return Decision(Action.FIRE)
     if message.num_attempts > options.max_attempts:
         return _give_up(
             options,
             f"attempt {message.num_attempts} exceeds max_attempts={options.max_attempts}: "
-            "earlier attempts ended without an outcome (a worker crashed or lost the lock)",
+            "earlier attempts ended without an outcome (a worker crashed or lost the lock) "
+            "or were yielded by the handler (message.defer)",
         )
     return Decision(Action.RUN)
 
