@@ -40,17 +40,35 @@ MAX_TOP_INTERVAL_S = 86_400.0
 __all__ = ["main"]
 
 
-def _env(option: str, default: Any = None, cast: Callable[[str], Any] = str) -> Any:
-    """The environment twin of ``--option`` (``LONNYMQ_OPTION``), else ``default``."""
-    value = os.environ.get("LONNYMQ_" + option.upper().replace("-", "_"))
-    return default if value is None or value == "" else cast(value)
-
-
 def _option(parser: argparse.ArgumentParser, name: str, help: str, **kwargs: Any) -> None:
-    cast = kwargs.get("type", str)
-    default = _env(name, kwargs.pop("default", None), cast)
+    """``--name``, whose default is ``LONNYMQ_NAME`` when that is set. argparse converts a
+    string default with the option's ``type``, so a malformed variable is a usage error (exit
+    2) naming the option, as the same value on the command line would be."""
     env = "LONNYMQ_" + name.upper().replace("-", "_")
-    parser.add_argument(f"--{name}", default=default, help=f"{help} (env {env})", **kwargs)
+    kwargs["default"] = os.environ.get(env) or kwargs.get("default")
+    parser.add_argument(f"--{name}", help=f"{help} (env {env})", **kwargs)
+
+
+class _Command(argparse.ArgumentParser):
+    """A subcommand's parser: ``--dsn`` and ``--schema`` may also follow the subcommand's name
+    (``lonnymq stats --schema shop``); given there, they override the ones before it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_argument("--dsn", default=argparse.SUPPRESS, help="as lonnymq --dsn")
+        self.add_argument("--schema", default=argparse.SUPPRESS, help="as lonnymq --schema")
+
+
+def _version(text: str) -> int:
+    """A schema version for ``migrate --from``: 0 (nothing installed) up to the latest."""
+    latest = migrate.latest_version()
+    try:
+        version = int(text)
+    except ValueError:
+        version = -1
+    if not 0 <= version <= latest:
+        raise argparse.ArgumentTypeError(f"must be a schema version from 0 to {latest}: {text!r}")
+    return version
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("LONNYMQ_SCHEMA", "lonnymq"),
         help="schema the queue lives in (env LONNYMQ_SCHEMA; default lonnymq)",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Command)
 
     install = commands.add_parser("install", help="create or upgrade the queue's schema")
     install.add_argument(
@@ -86,7 +104,15 @@ def _parser() -> argparse.ArgumentParser:
         dest="print_sql",
         action="store_true",
         required=True,
-        help="print the SQL script that install would run",
+        help="print the SQL script that install would run on an empty schema (no settings)",
+    )
+    migrate_cmd.add_argument(
+        "--from",
+        dest="from_version",
+        type=_version,
+        default=0,
+        metavar="VERSION",
+        help="only the migrations after VERSION (the schema's current version), for an upgrade",
     )
 
     stats = commands.add_parser("stats", help="channels: size, in flight, next dequeue, policy")
@@ -113,7 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--json", action="store_true", help="print one JSON result per line")
 
     policy = commands.add_parser("policy", help="set, clear or show channel policies")
-    policy_commands = policy.add_subparsers(dest="policy_command", required=True)
+    policy_commands = policy.add_subparsers(
+        dest="policy_command", required=True, parser_class=_Command
+    )
     policy_set = policy_commands.add_parser("set", help="set a channel's policy")
     policy_set.add_argument("channel")
     _option(policy_set, "max-concurrency", "messages locked at once (0 pauses)", type=int)
@@ -177,7 +205,9 @@ def _parser() -> argparse.ArgumentParser:
     top.add_argument("--json", action="store_true", help="print JSON lines per refresh")
 
     schedule = commands.add_parser("schedule", help="add, list or remove periodic schedules")
-    schedule_commands = schedule.add_subparsers(dest="schedule_command", required=True)
+    schedule_commands = schedule.add_subparsers(
+        dest="schedule_command", required=True, parser_class=_Command
+    )
     schedule_add = schedule_commands.add_parser("add", help="create or update a schedule")
     schedule_add.add_argument("name")
     schedule_add.add_argument("--cron", required=True, help='five fields, UTC: "*/5 * * * *"')
@@ -189,7 +219,9 @@ def _parser() -> argparse.ArgumentParser:
     schedule_remove.add_argument("name")
 
     archive = commands.add_parser("archive", help="inspect finished messages, replay failures")
-    archive_commands = archive.add_subparsers(dest="archive_command", required=True)
+    archive_commands = archive.add_subparsers(
+        dest="archive_command", required=True, parser_class=_Command
+    )
     archive_list = archive_commands.add_parser("list", help="archived messages, newest first")
     _option(archive_list, "outcome", "only this outcome (completed, failed)")
     _option(archive_list, "channel", "only this channel")
@@ -233,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--hold",
         type=float,
-        default=float(os.environ.get("LONNYMQ_BENCH_HOLD", "180")),
+        default=os.environ.get("LONNYMQ_BENCH_HOLD") or "180",
         help="with --long-txn: seconds the snapshot is held (env LONNYMQ_BENCH_HOLD)",
     )
 
@@ -311,7 +343,7 @@ class _Progress:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "migrate":
-        sys.stdout.write(migrate.script(args.schema))
+        sys.stdout.write(migrate.script(args.schema, from_version=args.from_version))
         return 0
     if args.command == "bench":
         from .bench import run_bench

@@ -39,12 +39,75 @@ def test_install_and_stats_json(dsn: str, schema_name: str) -> None:
     assert [(r["channel"], r["size"], r["in_flight"]) for r in rows] == [("cli", 1, 0)]
 
 
-def test_migrate_print_is_the_install_script(dsn: str) -> None:
-    printed = _run(dsn, "--schema", "printed", "migrate", "--print")
+def test_migrate_print_is_the_install_script(dsn: str, schema_name: str) -> None:
+    printed = _run(dsn, "--schema", schema_name, "migrate", "--print")
     assert printed.returncode == 0
     assert printed.stdout.startswith("BEGIN;")
-    assert 'CREATE SCHEMA IF NOT EXISTS "printed"' in printed.stdout
+    assert f'CREATE SCHEMA IF NOT EXISTS "{schema_name}"' in printed.stdout
     assert printed.stdout.rstrip().endswith("COMMIT;")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(printed.stdout.encode())
+    _assert_works_at_latest(dsn, schema_name)
+
+
+def test_migrate_print_from_a_version_upgrades_a_schema_at_it(dsn: str, schema_name: str) -> None:
+    start = latest_version() - 3
+    # The schema at ``start``: the full script with the later migrations left out.
+    full = _run(dsn, "--schema", schema_name, "migrate", "--print").stdout
+    cut = full.index(f"-- migration {start + 1:04d}_")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute((full[:cut] + "COMMIT;\n").encode())
+        version = conn.execute(f'SELECT max(version) FROM "{schema_name}".migration').fetchone()
+        assert version == (start,)
+        upgrade = _run(dsn, "--schema", schema_name, "migrate", "--print", "--from", str(start))
+        assert upgrade.returncode == 0, upgrade.stderr
+        assert upgrade.stdout.count("-- migration ") == 3
+        conn.execute(upgrade.stdout.encode())
+    _assert_works_at_latest(dsn, schema_name)
+
+
+def _assert_works_at_latest(dsn: str, schema: str) -> None:
+    """``install`` finds nothing to do, and a message goes round."""
+    installed = _run(dsn, "--schema", schema, "install")
+    assert f"schema {schema!r} is at version {latest_version()}" in installed.stdout
+    assert _run(dsn, "--schema", schema, "create", "--channel", "m", "x").returncode == 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        taken = conn.execute(f'SELECT content FROM "{schema}".message_dequeue(60000)').fetchall()
+    assert taken == [(b"x",)]
+
+
+def test_migrate_print_refuses_a_version_it_does_not_know(dsn: str) -> None:
+    for bad in ("-1", str(latest_version() + 1), "two"):
+        result = _run(dsn, "migrate", "--print", "--from", bad)
+        assert result.returncode == 2, bad
+        assert "--from: must be a schema version from 0 to" in result.stderr
+        assert result.stdout == ""
+
+
+def test_dsn_and_schema_may_follow_the_subcommand(dsn: str, schema_name: str) -> None:
+    assert _run(dsn, "--schema", schema_name, "install").returncode == 0
+    for env_dsn, args in (
+        ("host=nowhere.invalid", ("stats", "--schema", schema_name, "--dsn", dsn, "--json")),
+        (dsn, ("--schema", "elsewhere", "stats", "--json", "--schema", schema_name)),
+        (dsn, ("--schema", "elsewhere", "policy", "--schema", schema_name, "show", "--json")),
+    ):
+        result = _run(env_dsn, *args)
+        assert result.returncode == 0, (args, result.stderr)
+        assert result.stdout == ""  # an empty queue: no channels
+    assert _run(dsn, "--schema", "elsewhere", "stats").returncode == 1  # not installed there
+
+
+def test_a_malformed_environment_value_is_a_usage_error(dsn: str, schema_name: str) -> None:
+    env = {**os.environ, "LONNYMQ_DSN": dsn, "LONNYMQ_LIMIT": "ten"}
+    command = [sys.executable, "-m", "lonnymq.cli", "--schema", schema_name, "archive", "list"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    assert result.returncode == 2
+    assert "argument --limit: invalid int value: 'ten'" in result.stderr
+    assert "Traceback" not in result.stderr
+    # Other subcommands do not read it; on the command line, the option wins over it.
+    assert _run(dsn, "--schema", schema_name, "install").returncode == 0
+    given = subprocess.run([*command, "--limit", "5"], capture_output=True, env=env, check=False)
+    assert given.returncode == 0, given.stderr
 
 
 def test_bad_schema_name_is_a_clean_error(dsn: str) -> None:
