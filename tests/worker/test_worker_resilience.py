@@ -17,6 +17,7 @@ from lonnymq import Message, NewMessage, Queue
 from lonnymq.errors import InvalidArgumentError
 from lonnymq.metrics import MetricsServer, WorkerMetrics
 from lonnymq.worker import Backoff, Worker
+from lonnymq.worker._policy import reconnect_delay
 
 
 def test_a_message_past_max_attempts_fails_without_running(
@@ -134,3 +135,10 @@ def test_bad_worker_options_are_refused(queue: Queue, kwargs: dict[str, Any], ma
 def test_bad_backoff_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="Backoff"):
         Backoff(base_ms=10, max_ms=5)
+
+
+def test_reconnect_delays_start_at_a_tenth_of_a_second_and_double_up_to_30() -> None:
+    delays = [reconnect_delay(failures) for failures in range(1, 12)]
+    assert delays[:4] == [0.1, 0.2, 0.4, 0.8]
+    assert delays[-1] == 30.0
+    assert delays == sorted(delays)

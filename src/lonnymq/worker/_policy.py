@@ -258,7 +258,7 @@ def sleep_ms(retry_at: int | None, now_ms: int, idle_ms: int) -> int:
 def reconnect_delay(failures: int) -> float:
     """Seconds to wait after ``failures`` consecutive lost connections (0.1 s doubling, at most
     30 s)."""
-    return float(min(30.0, 0.1 * 2 ** min(failures, 10)))
+    return float(min(30.0, 0.1 * 2 ** min(max(failures - 1, 0), 10)))
 
 
 class _Sized(Protocol):
