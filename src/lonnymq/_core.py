@@ -214,7 +214,9 @@ def check_new_messages(items: Iterable[NewMessage]) -> list[NewMessage]:
             NewMessage(
                 content=check_payload("content", item.content, optional=False),  # type: ignore[arg-type]
                 channel=check_channel(item.channel),
-                dequeue_at=check_time("dequeue_at", item.dequeue_at),
+                dequeue_at=check_time(
+                    "dequeue_at", priority_to_dequeue_at(item.priority, item.dequeue_at)
+                ),
                 dedup_key=check_dedup_key(item.dedup_key),
             )
         )

@@ -185,11 +185,17 @@ class Channel:
         *,
         dequeue_at: int | None = None,
         dedup_key: str | None = None,
+        priority: int | None = None,
         conn: Connection[Any] | None = None,
     ) -> CreateResult:
         """Create a message in this channel; see :meth:`Queue.create`."""
         return self._queue.create(
-            content, channel=self.name, dequeue_at=dequeue_at, dedup_key=dedup_key, conn=conn
+            content,
+            channel=self.name,
+            dequeue_at=dequeue_at,
+            dedup_key=dedup_key,
+            priority=priority,
+            conn=conn,
         )
 
     def stats(self, *, conn: Connection[Any] | None = None) -> ChannelStats | None:

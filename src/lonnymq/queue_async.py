@@ -184,11 +184,17 @@ class AsyncChannel:
         *,
         dequeue_at: int | None = None,
         dedup_key: str | None = None,
+        priority: int | None = None,
         conn: AsyncConnection[Any] | None = None,
     ) -> CreateResult:
         """Create a message in this channel; see :meth:`AsyncQueue.create`."""
         return await self._queue.create(
-            content, channel=self.name, dequeue_at=dequeue_at, dedup_key=dedup_key, conn=conn
+            content,
+            channel=self.name,
+            dequeue_at=dequeue_at,
+            dedup_key=dedup_key,
+            priority=priority,
+            conn=conn,
         )
 
     async def stats(self, *, conn: AsyncConnection[Any] | None = None) -> ChannelStats | None:

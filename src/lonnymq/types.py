@@ -71,12 +71,15 @@ class NewMessage:
 
     ``dequeue_at`` is in ms since the Unix epoch (database clock); ``None`` means now. A
     historic value (even 0 or negative) puts the message ahead of its channel's waiting ones.
+    ``priority`` is as in ``create``: sugar for ``dequeue_at=priority`` (0 to 1,000,000, lower
+    first), not to be combined with ``dequeue_at``.
     """
 
     content: bytes
     channel: str | None = None
     dequeue_at: int | None = None
     dedup_key: str | None = None
+    priority: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -110,6 +110,24 @@ def test_priority_cannot_be_combined_with_dequeue_at(queue: Queue) -> None:
     assert queue.stats() == []
 
 
+def test_priority_in_create_many_and_channel_create(queue: Queue) -> None:
+    queue.create(b"normal", channel="a")
+    results = queue.create_many(
+        [NewMessage(b"urgent", channel="a", priority=5), NewMessage(b"later", channel="a")]
+    )
+    assert [r.status for r in results] == [CreateStatus.CREATED] * 2
+    queue.channel("a").create(b"urgent-first", priority=0)
+    assert drain(queue) == [b"urgent-first", b"urgent", b"normal", b"later"]
+    with pytest.raises(InvalidArgumentError, match="priority and dequeue_at cannot be combined"):
+        queue.create_many([NewMessage(b"x", priority=1, dequeue_at=queue.now() + 1_000)])
+    with pytest.raises(InvalidArgumentError, match="priority must be an int between 0"):
+        queue.create_many([NewMessage(b"ok"), NewMessage(b"x", priority=-1)])
+    with pytest.raises(InvalidArgumentError, match="priority must be an int between 0"):
+        queue.channel("a").create(b"x", priority=1_000_001)
+    # The refused calls created nothing: the four taken above are all the channel holds.
+    assert [(s.channel, s.size, s.in_flight) for s in queue.stats()] == [("a", 4, 4)]
+
+
 def test_order_inside_one_transaction_is_by_id(queue: Queue, dsn: str) -> None:
     """Time does not move inside a transaction: every message gets the same dequeue_at."""
     with psycopg.connect(dsn) as conn:
