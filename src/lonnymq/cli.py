@@ -588,7 +588,7 @@ def _worker(q: Queue, args: argparse.Namespace) -> int:
                 port=args.metrics_port,
             )
             logging.getLogger("lonnymq.worker").info(
-                "metrics on http://127.0.0.1:%s/metrics", server.port
+                "metrics on http://127.0.0.1:%s/metrics (every interface listens)", server.port
             )
             try:
                 stats = _run_worker(q, handler, options, args, operations)
