@@ -141,6 +141,46 @@ def test_plan_acks_releases_and_records(queue: Queue, admin: Conn) -> None:
     assert queue.stats() == []
 
 
+def test_plan_up_to_a_horizon_passes_later_messages_and_leaves_them_untouched(
+    queue: Queue, admin: Conn
+) -> None:
+    """Trigger.AvailableNow plans up to the largest id at its start. Messages created later,
+    even due before the older ones (ahead of them in their channel, or in a channel first in
+    turn), neither end the planning early nor gain attempts from being passed over."""
+    schema = queue.schema
+    older = [queue.create(f"m{i}".encode(), channel="old").id for i in range(5)]
+    horizon = max(older)
+    later = [
+        queue.create(b"late, same channel", channel="old", priority=0).id,
+        queue.create(b"late, other channel", channel="new", priority=0).id,
+    ]
+
+    def plan(start: int) -> tuple[Any, ...]:
+        params = {"consumer": "k", "start": start, "limit": 2, "lock_ms": 60_000}
+        return _call(admin, schema, "spark_batch_plan", {**params, "max_id": horizon})[0]
+
+    def attempts() -> list[tuple[Any, ...]]:
+        query = sql.SQL(
+            "SELECT id, num_attempts, unlock_at IS NOT NULL FROM {}.message"
+            " WHERE id = ANY (%s) ORDER BY id"
+        ).format(sql.Identifier(schema))
+        return admin.execute(query, [later]).fetchall()
+
+    assert plan(0) == (1, 2, 0, 0)
+    assert plan(1) == (2, 2, 2, 0)
+    assert plan(2) == (3, 1, 2, 0)
+    assert plan(3) == (3, 0, 1, 0)  # nothing left up to the horizon: no new batch
+    assert attempts() == [(later[0], 0, False), (later[1], 0, False)]
+    assert sorted((s.channel, s.size, s.in_flight) for s in queue.stats()) == [
+        ("new", 1, 0),
+        ("old", 1, 0),
+    ]
+    # Without a horizon they are planned like any other message.
+    params = {"consumer": "k", "start": 3, "limit": 10, "lock_ms": 60_000, "max_id": None}
+    assert _call(admin, schema, "spark_batch_plan", params)[0] == (4, 2, 0, 0)
+    assert [n for _, n, _ in attempts()] == [1, 1]
+
+
 def test_public_names_exist_and_are_documented() -> None:
     import lonnymq.spark
 
