@@ -148,8 +148,7 @@ def test_plan_up_to_a_horizon_passes_later_messages_and_leaves_them_untouched(
     even due before the older ones (ahead of them in their channel, or in a channel first in
     turn), neither end the planning early nor gain attempts from being passed over."""
     schema = queue.schema
-    older = [queue.create(f"m{i}".encode(), channel="old").id for i in range(5)]
-    horizon = max(older)
+    horizon = max(queue.create(f"m{i}".encode(), channel="old").id or 0 for i in range(5))
     later = [
         queue.create(b"late, same channel", channel="old", priority=0).id,
         queue.create(b"late, other channel", channel="new", priority=0).id,
@@ -179,6 +178,25 @@ def test_plan_up_to_a_horizon_passes_later_messages_and_leaves_them_untouched(
     params = {"consumer": "k", "start": 3, "limit": 10, "lock_ms": 60_000, "max_id": None}
     assert _call(admin, schema, "spark_batch_plan", params)[0] == (4, 2, 0, 0)
     assert [n for _, n, _ in attempts()] == [1, 1]
+
+
+def test_a_sink_id_belongs_to_the_first_query_that_claims_it(queue: Queue, admin: Conn) -> None:
+    def claim(sink_id: str, query_id: str) -> None:
+        _call(admin, queue.schema, "spark_sink_claim", {"sink_id": sink_id, "query_id": query_id})
+
+    claim("orders", "q1")
+    claim("orders", "q1")  # the same query, restarted from its checkpoint
+    claim("refunds", "q2")
+    with pytest.raises(psycopg.Error, match="sinkId orders is written by another streaming query"):
+        claim("orders", "q2")
+    with pytest.raises(psycopg.Error, match="sink_id must be 1 to 255 characters"):
+        claim("", "q2")
+    owners = admin.execute(
+        sql.SQL("SELECT sink_id, query_id FROM {}.spark_sink ORDER BY 1").format(
+            sql.Identifier(queue.schema)
+        )
+    ).fetchall()
+    assert owners == [("orders", "q1"), ("refunds", "q2")]
 
 
 def test_public_names_exist_and_are_documented() -> None:

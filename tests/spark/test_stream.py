@@ -216,14 +216,14 @@ def test_a_replayed_micro_batch_is_not_enqueued_twice(
         (inbox / f"part-{part}.json").write_text("\n".join(lines) + "\n")
     checkpoint = tmp_path / "cp"
 
-    def run() -> None:
+    def run(at: Path = checkpoint) -> None:
         (
             spark.readStream.schema("channel string, content string")
             .option("maxFilesPerTrigger", 1)
             .json(str(inbox))
             .writeStream.format("lonnymq")
             .options(**options, sinkId="files")
-            .option("checkpointLocation", str(checkpoint))
+            .option("checkpointLocation", str(at))
             .trigger(availableNow=True)
             .start()
             .awaitTermination(timeout=180)
@@ -240,6 +240,12 @@ def test_a_replayed_micro_batch_is_not_enqueued_twice(
     batches = _ids(admin, queue.schema, "SELECT batch_id FROM {schema}.spark_commit ORDER BY 1")
     assert batches == [0, 1, 2]
     assert (checkpoint / "commits" / "2").exists()
+    # A new checkpoint is a new query, numbering its batches from 0 again: with the same
+    # sinkId it would find batches 0-2 recorded and skip them. It is refused instead.
+    with pytest.raises(StreamingQueryException, match="sinkId files is written by another"):
+        run(tmp_path / "new-cp")
+    assert len(_ids(admin, queue.schema, "SELECT id FROM {schema}.message")) == 150
+    assert _ids(admin, queue.schema, "SELECT count(*) FROM {schema}.spark_stage") == [0]
 
 
 def test_stream_read_schema(spark: SparkSession, queue: Queue, options: dict[str, Any]) -> None:

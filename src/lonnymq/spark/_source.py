@@ -266,6 +266,15 @@ class StagedTask(WriterCommitMessage):
     sink_id: str | None = None
     batch_id: int | None = None
     skipped: bool = False
+    query_id: str | None = None
+
+
+def _claim_sink(opts: WriteOptions, sink_id: str, query_id: str) -> None:
+    """Record that ``query_id`` writes through ``sink_id``, or raise ``InvalidArgumentError``
+    when another query does (see migration 0025)."""
+    schema = opts.conn.schema
+    with _db.connect(opts.conn) as db, _db.translated(schema):
+        _db.run(db, schema, "spark_sink_claim", {"sink_id": sink_id, "query_id": query_id})
 
 
 def _staged(messages: list[WriterCommitMessage | None]) -> list[StagedTask]:
@@ -341,10 +350,12 @@ class _StreamWriter(DataSourceStreamArrowWriter):
         tag = _task_tag()
         if _write.is_committed(self._opts, sink_id, batch_id):
             _write.drain(iterator)
-            return StagedTask(self._write_id, tag, 0, sink_id, batch_id, skipped=True)
+            return StagedTask(
+                self._write_id, tag, 0, sink_id, batch_id, skipped=True, query_id=str(query)
+            )
         n_rows = _write.stage(self._opts, self._write_id, tag, iterator)
         _maybe_fail(self._opts)
-        return StagedTask(self._write_id, tag, n_rows, sink_id, batch_id)
+        return StagedTask(self._write_id, tag, n_rows, sink_id, batch_id, query_id=str(query))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         staged = _staged(messages)
@@ -355,10 +366,21 @@ class _StreamWriter(DataSourceStreamArrowWriter):
             return  # no task ran: nothing to enqueue or record
         if len(sink_ids) > 1:
             raise InvalidArgumentError(f"one micro-batch wrote for several sinks: {sink_ids}")
+        sink_id = sink_ids.pop()
         write_ids = {m.write_id for m in staged}
+        if self._opts.sink_id is not None:
+            # A sinkId named by the user may be reused by a query from a new checkpoint, whose
+            # batch ids start at 0 again: the tasks then found the old query's batches recorded
+            # and skipped them. The first query to commit owns the sinkId; others are refused.
+            try:
+                for query_id in sorted({m.query_id for m in staged if m.query_id is not None}):
+                    _claim_sink(self._opts, sink_id, query_id)
+            except InvalidArgumentError:
+                _write.clear(self._opts, write_ids)  # what the tasks staged goes too
+                raise
         _write.commit(
             self._opts,
-            sink_id=sink_ids.pop(),
+            sink_id=sink_id,
             batch_id=batchId,
             write_id=write_ids.pop() if len(write_ids) == 1 else "",
             task_tags=[m.task_tag for m in staged if not m.skipped],

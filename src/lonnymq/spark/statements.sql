@@ -76,3 +76,8 @@ FROM {schema}.spark_message_scan(p_lo => %(lo)s::bigint, p_hi => %(hi)s::bigint)
 SELECT id, channel, content, state, dedup_key, num_attempts, outcome, error, created_at,
        dequeue_at, locked_at, finished_at
 FROM {schema}.spark_archive_scan(p_lo => %(lo)s::bigint, p_hi => %(hi)s::bigint)
+
+-- name: spark_sink_claim
+SELECT {schema}.spark_sink_claim(
+    p_sink_id => %(sink_id)s::text,
+    p_query_id => %(query_id)s::text)
