@@ -14,13 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pyarrow as pa
 import pytest
 from psycopg import sql
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StringType, StructField, StructType
 
 from lonnymq import NewMessage, Queue
-from lonnymq.spark import purge_staging
+from lonnymq.spark import _write, purge_staging
+from lonnymq.spark._source import LonnyMQDataSource
 
 Conn = psycopg.Connection[Any]
 CHILD = Path(__file__).with_name("stream_child.py")
@@ -246,6 +249,22 @@ def test_a_replayed_micro_batch_is_not_enqueued_twice(
         run(tmp_path / "new-cp")
     assert len(_ids(admin, queue.schema, "SELECT id FROM {schema}.message")) == 150
     assert _ids(admin, queue.schema, "SELECT count(*) FROM {schema}.spark_stage") == [0]
+
+
+def test_an_aborted_micro_batch_clears_what_failed_attempts_staged(
+    queue: Queue, admin: Conn, options: dict[str, Any]
+) -> None:
+    """Every task of the micro-batch failed (Spark passes no message for a failed task): the
+    rows their attempts staged under the writer's id are cleared all the same."""
+    columns = StructType([StructField("content", StringType())])
+    writer = LonnyMQDataSource(options).streamWriter(columns, overwrite=False)
+    batch = pa.record_batch({"content": pa.array(["a", "b", "c"])})
+    assert _write.stage(writer._opts, writer._write_id, "p0-a0", iter([batch])) == 3
+    stage = "SELECT count(*) FROM {schema}.spark_stage"
+    assert _ids(admin, queue.schema, stage) == [3]
+    writer.abort([None, None], 0)
+    assert _ids(admin, queue.schema, stage) == [0]
+    assert queue.stats() == []
 
 
 def test_stream_read_schema(spark: SparkSession, queue: Queue, options: dict[str, Any]) -> None:

@@ -389,6 +389,6 @@ class _StreamWriter(DataSourceStreamArrowWriter):
         )
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        write_ids = {m.write_id for m in _staged(messages)}
-        if write_ids:
-            _write.clear(self._opts, write_ids)
+        # This writer's own id too: when no task succeeded, failed attempts staged under it
+        # and no message names it.
+        _write.clear(self._opts, {self._write_id} | {m.write_id for m in _staged(messages)})
