@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -234,3 +235,52 @@ def test_direct_mode_needs_dedup_keys_and_enqueues_once(
     )
     assert _count(admin, queue.schema, "message") == 4_000
     assert _count(admin, queue.schema, "spark_stage") == 0
+
+
+def test_direct_mode_refuses_null_dedup_keys(
+    spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any]
+) -> None:
+    # One partition of 100 rows: one Arrow batch, one chunk, refused before any row of it is
+    # enqueued. A retried task used to enqueue its null-key rows again.
+    frame = spark.range(100, numPartitions=1).select(
+        F.col("id").cast("string").alias("content"),
+        F.when(F.col("id") % 2 == 0, F.col("id").cast("string")).alias("dedup_key"),
+    )
+    with pytest.raises(
+        Exception,
+        match=r"column 'dedup_key' \(the dedup key\) has 50 null value\(s\): with mode=direct "
+        r"every row needs a dedup key",
+    ):
+        (
+            frame.write.format("lonnymq")
+            .options(**options, mode="direct", _testFailAfterWrite="0")
+            .mode("append")
+            .save()
+        )
+    assert _count(admin, queue.schema, "message") == 0
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_microsecond_timestamps_are_floored_to_ms(
+    spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any], mode: str
+) -> None:
+    # Spark's timestamps are microseconds; every task failed on their sub-millisecond digits.
+    micros = [1_767_323_045_678_901, 1_767_323_045_678_000, 999, -1, -1_500]
+    floored = [1_767_323_045_678, 1_767_323_045_678, 0, -1, -2]
+    now = len(micros)  # the row whose dequeue_at is current_timestamp()
+    frame = spark.createDataFrame(list(enumerate([*micros, 0])), "id long, us long").select(
+        F.col("id").cast("string").alias("content"),
+        F.col("id").cast("string").alias("dedup_key"),
+        F.when(F.col("id") == now, F.current_timestamp())
+        .otherwise(F.timestamp_micros("us"))
+        .alias("dequeue_at"),
+    )
+    before = time.time_ns() // 1_000_000
+    frame.write.format("lonnymq").options(**options, mode=mode).mode("append").save()
+    after = time.time_ns() // 1_000_000
+    rows = admin.execute(
+        sql.SQL("SELECT content, dequeue_at FROM {}.message").format(sql.Identifier(queue.schema))
+    ).fetchall()
+    stored = {int(bytes(r[0])): r[1] for r in rows}
+    assert [stored[i] for i in range(now)] == floored
+    assert before <= stored[now] <= after

@@ -1,5 +1,6 @@
 """The task side's binary COPY stream, built from Arrow columns: what it stages is what each
-row holds, for every column type and NULL the writer accepts (no Spark needed)."""
+row holds, for every column type and NULL the writer accepts; and mode=direct's columns and
+refusals (no Spark needed)."""
 
 from __future__ import annotations
 
@@ -127,3 +128,50 @@ def test_null_content_is_refused_and_stages_nothing(
     with pytest.raises(InvalidArgumentError, match="null value"):
         _write.stage(opts, "w", "t4", iter([batch]))
     assert _staged(admin, schema_name, "t4") == []
+
+
+def test_sub_millisecond_timestamps_are_floored_to_ms(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str
+) -> None:
+    # Spark's timestamps are microseconds: a safe cast to ms refused them, failing every task.
+    micros = [1_767_323_045_678_901, 1_767_323_045_678_000, 999, 0, -1, -1_000, -1_500, None]
+    floored = [1_767_323_045_678, 1_767_323_045_678, 0, 0, -1, -1, -2, None]
+    batch = pa.record_batch(
+        {
+            "content": pa.array([b"m"] * len(micros), pa.binary()),
+            "dequeue_at": pa.array(micros, pa.timestamp("us", tz="UTC")),
+            "dedup_key": pa.array([str(i) for i in range(len(micros))]),
+        }
+    )
+    opts = _options(
+        dsn, schema_name, {"content": "binary", "dequeue_at": "timestamp", "dedup_key": "string"}
+    )
+    assert _write.stage(opts, "w", "t5", iter([batch])) == len(micros)
+    assert [r[3] for r in _staged(admin, schema_name, "t5")] == floored
+    # mode=direct builds its columns apart from the COPY stream.
+    assert _write._columns(opts, batch)[2] == floored
+
+
+def test_direct_mode_refuses_a_batch_with_a_null_dedup_key(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str
+) -> None:
+    opts = _options(dsn, schema_name, {"content": "binary", "dedup_key": "string"}, mode="direct")
+    first = pa.record_batch(
+        {"content": pa.array([b"a", b"b"], pa.binary()), "dedup_key": pa.array(["a", "b"])}
+    )
+    second = pa.record_batch(
+        {"content": pa.array([b"c", b"d"], pa.binary()), "dedup_key": pa.array(["c", None])}
+    )
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"column 'dedup_key' \(the dedup key\) has 1 null value\(s\): with mode=direct "
+        r"every row needs a dedup key",
+    ):
+        _write.create_direct(opts, iter([first, second]))
+    # The batches before the refused one stay enqueued; none of the refused one's rows is.
+    contents = admin.execute(
+        sql.SQL("SELECT content FROM {}.message ORDER BY content").format(
+            sql.Identifier(schema_name)
+        )
+    ).fetchall()
+    assert [bytes(r[0]) for r in contents] == [b"a", b"b"]

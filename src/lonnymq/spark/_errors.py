@@ -8,7 +8,8 @@ __all__ = ["ConsumerBusyError", "SparkWriteError"]
 
 
 class SparkWriteError(LonnyMQError):
-    """A Spark write could not be committed; nothing of it was enqueued."""
+    """A Spark write failed at its commit. With mode=staged (the default) nothing of it was
+    enqueued; with mode=direct, what its tasks enqueued stays enqueued."""
 
 
 class ConsumerBusyError(LonnyMQError):

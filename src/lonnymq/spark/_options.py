@@ -78,7 +78,8 @@ class OnFull(StrEnum):
     """What a write does when channels at their ``max_size`` refuse messages."""
 
     FAIL = "fail"
-    """Fail the job; nothing of it is enqueued."""
+    """Fail the job; with mode=staged nothing of it is enqueued (mode=direct keeps the rows
+    its tasks enqueued)."""
     COUNT = "count"
     """Enqueue the rest, and count the refused messages in the write's result."""
 

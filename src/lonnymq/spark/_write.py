@@ -75,6 +75,24 @@ def _json_default(value: object) -> Any:
     return str(value)
 
 
+def _epoch_ms(column: pa.Array) -> pa.Array:
+    """A timestamp column as integer ms since the Unix epoch, floored as lonnymq's times are.
+
+    Not a cast to ``timestamp[ms]``: a safe one refuses Spark's microseconds, an unsafe one
+    truncates toward zero (a time before 1970 would move a millisecond later).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    values = column.cast(pa.int64())  # counts of the column's unit since the epoch, in UTC
+    unit = column.type.unit
+    if unit == "s":
+        return pc.multiply_checked(values, 1000)
+    per_ms = {"ms": 1, "us": 1_000, "ns": 1_000_000}[unit]
+    quotient = pc.divide(values, per_ms)  # Arrow's integer division truncates toward zero
+    return pc.subtract(quotient, pc.less(values, pc.multiply(quotient, per_ms)).cast(pa.int64()))
+
+
 def _columns(opts: WriteOptions, batch: pa.RecordBatch) -> tuple[list[Any], ...]:
     """The batch as staging columns: channel, content, dequeue_at, dedup_key."""
     import pyarrow as pa
@@ -104,7 +122,7 @@ def _columns(opts: WriteOptions, batch: pa.RecordBatch) -> tuple[list[Any], ...]
     if opts.dequeue_at_column is not None:
         column = batch.column(opts.dequeue_at_column)
         if pa.types.is_timestamp(column.type):
-            column = pc.cast(pc.cast(column, pa.timestamp("ms", tz="UTC")), pa.int64())
+            column = _epoch_ms(column)
         dequeue_ats = column.to_pylist()
     else:
         dequeue_ats = [None] * n
@@ -194,7 +212,7 @@ def _copy_rows(
     if opts.dequeue_at_column is not None:
         column = batch.column(opts.dequeue_at_column)
         if pa.types.is_timestamp(column.type):
-            column = pc.cast(pc.cast(column, pa.timestamp("ms", tz="UTC")), pa.int64())
+            column = _epoch_ms(column)
         present = pc.binary_join_element_wise(
             pa.scalar(struct.pack(">i", 8), pa.large_binary()),
             _big_endian(column, "q"),
@@ -240,13 +258,24 @@ def stage(
 
 
 def create_direct(opts: WriteOptions, batches: Iterable[pa.RecordBatch]) -> WriteResult:
-    """mode=direct: enqueue a task's rows straight away, in chunks of one transaction each."""
+    """mode=direct: enqueue a task's rows straight away, in chunks of one transaction each;
+    raise at a batch with a null dedup key, before enqueuing any of its rows."""
     schema = opts.conn.schema
     db = _db.executor_connection(opts.conn)
     statement = _core.Statements(schema)["message_create_many"]
     counts = {"created": 0, "deduplicated": 0, "dropped": 0}
     full: set[str] = set()
+    assert opts.dedup_key_column is not None  # write_options requires it in mode=direct
     for batch in batches:
+        # Checked for the whole batch before any of its chunks is enqueued: nothing absorbs
+        # the replay of a null-key row, so a retried task would enqueue it again.
+        keys = batch.column(opts.dedup_key_column)
+        if keys.null_count:
+            raise InvalidArgumentError(
+                f"column {opts.dedup_key_column!r} (the dedup key) has {keys.null_count} null "
+                f"value(s): with mode=direct every row needs a dedup key (it is what makes a "
+                f"retried task harmless); this task's rows enqueued before them stay enqueued"
+            )
         channels, contents, dequeue_ats, dedup_keys = _columns(opts, batch)
         for start in range(0, len(contents), DIRECT_CHUNK):
             part = slice(start, start + DIRECT_CHUNK)
