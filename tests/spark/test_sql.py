@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import Queue
+from lonnymq import NewMessage, Queue
 from lonnymq.spark import _db, purge_staging
 
 Conn = psycopg.Connection[Any]
@@ -178,6 +179,30 @@ def test_plan_up_to_a_horizon_passes_later_messages_and_leaves_them_untouched(
     params = {"consumer": "k", "start": 3, "limit": 10, "lock_ms": 60_000, "max_id": None}
     assert _call(admin, schema, "spark_batch_plan", params)[0] == (4, 2, 0, 0)
     assert [n for _, n, _ in attempts()] == [1, 1]
+
+
+def test_a_plan_passing_many_later_messages_stops_before_its_locks_expire(
+    queue: Queue, admin: Conn
+) -> None:
+    """One old message behind 3,000 later ones, a limit of 1 and locks of 1 s: the plan may
+    not run until its own first locks expire (its next dequeue would take them again, for
+    ever); it stops after a quarter of the lock time and gives every later message back."""
+    now = queue.now()
+    horizon = queue.create(b"old", channel="a", dequeue_at=now - 1_000).id
+    queue.create_many(NewMessage(b"new", channel="a", dequeue_at=now - 5_000) for _ in range(3_000))
+    started = time.monotonic()
+    params = {"consumer": "k", "start": 0, "limit": 1, "lock_ms": 1_000, "max_id": horizon}
+    [(batch_no, size, _, _)] = _call(admin, queue.schema, "spark_batch_plan", params)
+    assert time.monotonic() - started < 30
+    assert (batch_no, size) in ((0, 0), (1, 1))  # the old one, if reached in time
+    left = admin.execute(
+        sql.SQL(
+            "SELECT content, is_locked, num_attempts, count(*) FROM {}.message"
+            " WHERE content = 'new' GROUP BY 1, 2, 3"
+        ).format(sql.Identifier(queue.schema))
+    ).fetchall()
+    assert left == [(b"new", False, 0, 3_000)]
+    assert queue.verify() == []
 
 
 def test_a_sink_id_belongs_to_the_first_query_that_claims_it(queue: Queue, admin: Conn) -> None:

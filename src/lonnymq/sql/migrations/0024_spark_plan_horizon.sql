@@ -18,8 +18,12 @@
 -- they are given back at their own dequeue_at, and their attempt counts are lowered again.
 -- Lowering a count is safe only because the lock never committed: no session ever saw that
 -- attempt, so no holder can be fenced wrongly. A plan stops when it has its limit, when the
--- queue has nothing more to give now, or when it holds 100,000 later messages (the most
--- message_defer_many takes; a queue flooded past its horizon then plans what it found).
+-- queue has nothing more to give now, when it holds 100,000 later messages (the most
+-- message_defer_many takes), or after a quarter of the lock time: the plan's own locks must
+-- not expire while it runs, or its next dequeue would recover them as expired and take them
+-- again. (A review found that loop: one old message behind 3,000 later ones, a limit of 1 and
+-- 1 s locks.) A plan cut short by those bounds plans what it found; with nothing found, an
+-- AvailableNow query ends as before.
 
 CREATE OR REPLACE FUNCTION spark_batch_plan(
     p_consumer TEXT, p_start BIGINT, p_limit INTEGER, p_lock_ms BIGINT,
@@ -35,9 +39,11 @@ DECLARE
     v_asked INTEGER;
     v_got INTEGER;
     v_seen INTEGER;
-    v_late_ids BIGINT[] := '{}';
-    v_late_attempts INTEGER[] := '{}';
-    v_late_ats BIGINT[] := '{}';
+    v_late BIGINT[] := '{}';
+    v_deadline TIMESTAMPTZ;
+    v_ids BIGINT[];
+    v_attempts INTEGER[];
+    v_ats BIGINT[];
 BEGIN
     PERFORM arg_check(p_consumer IS NOT NULL AND char_length(p_consumer) BETWEEN 1 AND 255,
         'consumer must be 1 to 255 characters');
@@ -47,12 +53,13 @@ BEGIN
         format('limit must be between 1 and 1000000, got %s', p_limit));
     PERFORM arg_check_lock_ms(p_lock_ms);
     v_batch := p_start + 1;
+    v_deadline := clock_timestamp() + (p_lock_ms / 4) * INTERVAL '1 millisecond';
 
     acked := spark_batch_ack(p_consumer, p_start);
     released := spark_batch_release(p_consumer, p_start);
 
-    WHILE v_taken < p_limit AND cardinality(v_late_ids) < 100000 LOOP
-        v_asked := least(p_limit - v_taken, 10000, 100000 - cardinality(v_late_ids));
+    LOOP
+        v_asked := least(p_limit - v_taken, 10000, 100000 - cardinality(v_late));
         WITH taken AS (
             SELECT d.* FROM message_dequeue_many(v_asked, p_lock_ms) d
             WHERE d.id IS NOT NULL
@@ -63,26 +70,28 @@ BEGIN
                    t.dequeue_at
             FROM taken t WHERE p_max_id IS NULL OR t.id <= p_max_id
             RETURNING 1
-        ), late AS (
-            SELECT t.id, t.num_attempts, t.dequeue_at FROM taken t WHERE t.id > p_max_id
         )
         SELECT (SELECT count(*) FROM taken),
                (SELECT count(*) FROM kept),
-               v_late_ids || coalesce((SELECT array_agg(l.id ORDER BY l.id) FROM late l), '{}'),
-               v_late_attempts || coalesce(
-                   (SELECT array_agg(l.num_attempts ORDER BY l.id) FROM late l), '{}'),
-               v_late_ats || coalesce(
-                   (SELECT array_agg(l.dequeue_at ORDER BY l.id) FROM late l), '{}')
-        INTO v_seen, v_got, v_late_ids, v_late_attempts, v_late_ats;
+               v_late || coalesce(
+                   (SELECT array_agg(t.id) FROM taken t WHERE t.id > p_max_id), '{}')
+        INTO v_seen, v_got, v_late;
         v_taken := v_taken + v_got;
-        -- Fewer than asked: the queue has nothing more to give now.
-        EXIT WHEN v_seen < v_asked;
+        EXIT WHEN v_taken >= p_limit
+            -- Fewer than asked: the queue has nothing more to give now.
+            OR v_seen < v_asked
+            OR cardinality(v_late) >= 100000
+            OR clock_timestamp() >= v_deadline;
     END LOOP;
 
-    IF cardinality(v_late_ids) > 0 THEN
-        PERFORM message_defer_many(v_late_ids, v_late_attempts, v_late_ats);
+    IF cardinality(v_late) > 0 THEN
+        SELECT array_agg(m.id ORDER BY m.id), array_agg(m.num_attempts ORDER BY m.id),
+               array_agg(m.dequeue_at ORDER BY m.id)
+        INTO v_ids, v_attempts, v_ats
+        FROM message m WHERE m.id = ANY (v_late);
+        PERFORM message_defer_many(v_ids, v_attempts, v_ats);
         UPDATE message m SET num_attempts = m.num_attempts - 1
-        WHERE m.id = ANY (v_late_ids);
+        WHERE m.id = ANY (v_ids);
     END IF;
 
     batch_no := CASE WHEN v_taken > 0 THEN v_batch ELSE p_start END;
