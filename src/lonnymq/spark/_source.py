@@ -269,14 +269,6 @@ class StagedTask(WriterCommitMessage):
     query_id: str | None = None
 
 
-def _claim_sink(opts: WriteOptions, sink_id: str, query_id: str) -> None:
-    """Record that ``query_id`` writes through ``sink_id``, or raise ``InvalidArgumentError``
-    when another query does (see migration 0025)."""
-    schema = opts.conn.schema
-    with _db.connect(opts.conn) as db, _db.translated(schema):
-        _db.run(db, schema, "spark_sink_claim", {"sink_id": sink_id, "query_id": query_id})
-
-
 def _staged(messages: list[WriterCommitMessage | None]) -> list[StagedTask]:
     """The messages of the tasks that succeeded (a failed task's is None)."""
     return [m for m in messages if isinstance(m, StagedTask)]
@@ -368,25 +360,24 @@ class _StreamWriter(DataSourceStreamArrowWriter):
             raise InvalidArgumentError(f"one micro-batch wrote for several sinks: {sink_ids}")
         sink_id = sink_ids.pop()
         write_ids = {m.write_id for m in staged}
-        if self._opts.sink_id is not None:
-            # A sinkId named by the user may be reused by a query from a new checkpoint, whose
-            # batch ids start at 0 again: the tasks then found the old query's batches recorded
-            # and skipped them. The first query to commit owns the sinkId; others are refused.
-            try:
-                for query_id in sorted({m.query_id for m in staged if m.query_id is not None}):
-                    _claim_sink(self._opts, sink_id, query_id)
-            except InvalidArgumentError:
-                _write.clear(self._opts, write_ids)  # what the tasks staged goes too
-                raise
-        _write.commit(
-            self._opts,
-            sink_id=sink_id,
-            batch_id=batchId,
-            write_id=write_ids.pop() if len(write_ids) == 1 else "",
-            task_tags=[m.task_tag for m in staged if not m.skipped],
-            expected_rows=sum(m.n_rows for m in staged),
-            streaming=True,
-        )
+        # A sinkId named by the user may be reused by a query from a new checkpoint, whose
+        # batch ids start at 0 again: its tasks found the old query's batches recorded and
+        # skipped them. The first query to commit owns the sinkId; others are refused.
+        owners = sorted({m.query_id for m in staged if m.query_id is not None})
+        try:
+            _write.commit(
+                self._opts,
+                sink_id=sink_id,
+                batch_id=batchId,
+                write_id=write_ids.pop() if len(write_ids) == 1 else "",
+                task_tags=[m.task_tag for m in staged if not m.skipped],
+                expected_rows=sum(m.n_rows for m in staged),
+                streaming=True,
+                owner=owners[0] if owners and self._opts.sink_id is not None else None,
+            )
+        except InvalidArgumentError:
+            _write.clear(self._opts, {m.write_id for m in staged})  # what the tasks staged
+            raise
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         # This writer's own id too: when no task succeeded, failed attempts staged under it

@@ -327,12 +327,16 @@ def commit(
     task_tags: Sequence[str],
     expected_rows: int,
     streaming: bool,
+    owner: str | None = None,
 ) -> WriteResult:
     """Enqueue what the winning tasks staged, once per (sink_id, batch_id), in one
     transaction; raise (enqueuing nothing) when rows went missing or, with onFull=fail,
-    when a channel refused some."""
+    when a channel refused some. With ``owner`` (a streaming query's id), the sink id is
+    claimed for that query in the same transaction: another query's claim refuses it."""
     schema = opts.conn.schema
     with _db.connect(opts.conn, autocommit=False) as db, _db.translated(schema):
+        if owner is not None:
+            _db.run(db, schema, "spark_sink_claim", {"sink_id": sink_id, "query_id": owner})
         rows = _db.run(
             db,
             schema,

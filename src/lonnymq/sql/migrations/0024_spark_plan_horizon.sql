@@ -18,12 +18,17 @@
 -- they are given back at their own dequeue_at, and their attempt counts are lowered again.
 -- Lowering a count is safe only because the lock never committed: no session ever saw that
 -- attempt, so no holder can be fenced wrongly. A plan stops when it has its limit, when the
--- queue has nothing more to give now, when it holds 100,000 later messages (the most
--- message_defer_many takes), or after a quarter of the lock time: the plan's own locks must
+-- queue has nothing more to give now, when it holds 10,000 later messages (as many as one
+-- dequeue of the former version could give back), or after a quarter of the lock time: the
+-- plan's own locks must
 -- not expire while it runs, or its next dequeue would recover them as expired and take them
 -- again. (A review found that loop: one old message behind 3,000 later ones, a limit of 1 and
 -- 1 s locks.) A plan cut short by those bounds plans what it found; with nothing found, an
--- AvailableNow query ends as before.
+-- AvailableNow query ends as before. So do the ones that pass a later message at the head of
+-- a channel with a policy: the later message takes the channel's slot (max_concurrency) or
+-- its interval (release_interval_ms, which its give-back does not undo) for this plan, and
+-- the older messages behind it wait for the next run. Only a dequeue that knows the horizon
+-- would avoid that.
 
 CREATE OR REPLACE FUNCTION spark_batch_plan(
     p_consumer TEXT, p_start BIGINT, p_limit INTEGER, p_lock_ms BIGINT,
@@ -59,7 +64,7 @@ BEGIN
     released := spark_batch_release(p_consumer, p_start);
 
     LOOP
-        v_asked := least(p_limit - v_taken, 10000, 100000 - cardinality(v_late));
+        v_asked := least(p_limit - v_taken, 10000, 10000 - cardinality(v_late));
         WITH taken AS (
             SELECT d.* FROM message_dequeue_many(v_asked, p_lock_ms) d
             WHERE d.id IS NOT NULL
@@ -78,9 +83,9 @@ BEGIN
         INTO v_seen, v_got, v_late;
         v_taken := v_taken + v_got;
         EXIT WHEN v_taken >= p_limit
-            -- Fewer than asked: the queue has nothing more to give now.
+            -- Fewer than asked: nothing more to give now (or a busy channel ended the call).
             OR v_seen < v_asked
-            OR cardinality(v_late) >= 100000
+            OR cardinality(v_late) >= 10000
             OR clock_timestamp() >= v_deadline;
     END LOOP;
 
@@ -89,9 +94,10 @@ BEGIN
                array_agg(m.dequeue_at ORDER BY m.id)
         INTO v_ids, v_attempts, v_ats
         FROM message m WHERE m.id = ANY (v_late);
-        PERFORM message_defer_many(v_ids, v_attempts, v_ats);
-        UPDATE message m SET num_attempts = m.num_attempts - 1
-        WHERE m.id = ANY (v_ids);
+        v_ids := ARRAY(
+            SELECT d.id FROM message_defer_many(v_ids, v_attempts, v_ats) d
+            WHERE d.status = 'ok');
+        UPDATE message m SET num_attempts = m.num_attempts - 1 WHERE m.id = ANY (v_ids);
     END IF;
 
     batch_no := CASE WHEN v_taken > 0 THEN v_batch ELSE p_start END;
