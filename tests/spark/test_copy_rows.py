@@ -120,6 +120,17 @@ def test_json_content_and_no_channel(
     ]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_json_content_refuses_numbers_json_cannot_carry(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str, bad: float
+) -> None:
+    batch = pa.record_batch({"x": pa.array([1.5, bad], pa.float64())})
+    opts = _options(dsn, schema_name, {"x": "double"}, contentFormat="json")
+    with pytest.raises(InvalidArgumentError, match="NaN or infinity, which JSON cannot carry"):
+        _write.stage(opts, "w", "t6", iter([batch]))
+    assert _staged(admin, schema_name, "t6") == []
+
+
 def test_null_content_is_refused_and_stages_nothing(
     queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str
 ) -> None:

@@ -75,6 +75,21 @@ def _json_default(value: object) -> Any:
     return str(value)
 
 
+def _json_contents(opts: WriteOptions, batch: pa.RecordBatch) -> list[bytes]:
+    """contentFormat=json: each row's other columns as one JSON object. NaN and infinity
+    are refused: JSON has no such numbers, and most readers reject them."""
+    try:
+        return [
+            json.dumps(row, default=_json_default, separators=(",", ":"), allow_nan=False).encode()
+            for row in batch.select(list(opts.json_columns)).to_pylist()
+        ]
+    except ValueError as err:
+        raise InvalidArgumentError(
+            "contentFormat=json: a float column holds NaN or infinity, which JSON cannot "
+            "carry; replace them (for example with null) before writing"
+        ) from err
+
+
 def _epoch_ms(column: pa.Array) -> pa.Array:
     """A timestamp column as integer ms since the Unix epoch, floored as lonnymq's times are.
 
@@ -104,10 +119,7 @@ def _columns(opts: WriteOptions, batch: pa.RecordBatch) -> tuple[list[Any], ...]
     else:
         channels = [opts.channel] * n
     if opts.content_format is ContentFormat.JSON:
-        contents = [
-            json.dumps(row, default=_json_default, separators=(",", ":")).encode()
-            for row in batch.select(list(opts.json_columns)).to_pylist()
-        ]
+        contents = _json_contents(opts, batch)
     else:
         assert opts.content_column is not None
         column = batch.column(opts.content_column)
@@ -193,13 +205,7 @@ def _copy_rows(
     else:
         parts.append(_constant(opts.channel))
     if opts.content_format is ContentFormat.JSON:
-        content = pa.array(
-            [
-                json.dumps(row, default=_json_default, separators=(",", ":")).encode()
-                for row in batch.select(list(opts.json_columns)).to_pylist()
-            ],
-            pa.large_binary(),
-        )
+        content = pa.array(_json_contents(opts, batch), pa.large_binary())
     else:
         assert opts.content_column is not None
         content = batch.column(opts.content_column)
