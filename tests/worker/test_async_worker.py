@@ -109,6 +109,36 @@ def test_async_worker_keeps_long_handlers_locked_and_gives_back_on_stop(
     assert (channel.size, channel.in_flight) == (1, 0)
 
 
+def test_async_worker_keeps_renewing_a_message_taken_again_while_its_yielding_run_reports(
+    dsn: str, make_queue: Callable[..., Queue]
+) -> None:
+    """As the Worker's test: the first run yields (defer to now) and keeps running; the loop
+    takes the message again; the second run, longer than its lock, must keep its heartbeats."""
+    sync = make_queue()
+    sync.create(b"job", channel="c")
+
+    async def main() -> tuple[list[int], WorkerStats]:
+        runs: list[int] = []
+
+        async def handler(message: AsyncMessage) -> None:
+            runs.append(message.num_attempts)
+            if message.num_attempts == 1:
+                await message.defer()
+                await asyncio.sleep(0.5)
+            else:
+                await asyncio.sleep(1.0)
+
+        async with AsyncQueue(dsn, schema=sync.schema) as queue:
+            worker = AsyncWorker(queue, handler, concurrency=2, idle_ms=20, lock_ms=300)
+            stats = await worker.run(handle_signals=False, until_idle=True)
+        return runs, stats
+
+    runs, stats = asyncio.run(main())
+    assert runs == [1, 2]
+    assert stats.completed == 1
+    assert sync.stats() == []
+
+
 def test_async_worker_refuses_bad_options(dsn: str) -> None:
     queue = AsyncQueue(dsn, schema="unused")
     with pytest.raises(InvalidArgumentError, match="concurrency"):

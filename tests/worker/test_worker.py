@@ -193,6 +193,33 @@ def test_each_yield_of_a_handler_uses_an_attempt(
         assert "yielded by the handler" in error
 
 
+def test_a_message_taken_again_while_its_yielding_run_reports_is_waited_for(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    """The handler yields (defer to now) and keeps running a little: the dequeue loop takes
+    the message again meanwhile. The first run's end must not drop the second from the
+    running set, or the second's lock is no longer renewed (it expires, and the message runs
+    a third time), it takes no slot, and a stop does not wait for it."""
+    queue = make_queue(archive=True)
+    created = queue.create(b"job", channel="c")
+    runs: list[int] = []
+
+    def handler(message: Message) -> None:
+        runs.append(message.num_attempts)
+        if message.num_attempts == 1:
+            message.defer()
+            time.sleep(0.5)  # the loop, polling every 20 ms, takes the message again
+        else:
+            time.sleep(1.0)  # outlives its 300 ms lock unless heartbeats renew it
+
+    worker = Worker(queue, handler, concurrency=2, idle_ms=20, lock_ms=300)
+    stats = worker.run(handle_signals=False, until_idle=True)
+    assert runs == [1, 2]
+    assert stats.completed == 1
+    [(message_id, _, outcome, _, attempts)] = _archive(admin, schema_name)
+    assert (message_id, outcome, attempts) == (created.id, "completed", 2)
+
+
 def test_long_handler_keeps_its_lock_through_heartbeats(
     make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
 ) -> None:

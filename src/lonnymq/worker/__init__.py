@@ -240,7 +240,11 @@ class Worker:
                 following = self._run(task)
             finally:
                 with self._lock:
-                    self._running.pop(task.message.id, None)
+                    # Only this task's entry: a handler that deferred its message to now may
+                    # see it taken again by the dequeue loop (a new task under the same id)
+                    # before its own report returns.
+                    if self._running.get(task.message.id) is task:
+                        del self._running[task.message.id]
                     # Checked under the lock that _shutdown takes to list what still runs:
                     # a message taken after the stop is given back, never left unlisted.
                     chained = following is not None and not self._stopping.is_set()

@@ -202,7 +202,11 @@ class AsyncWorker:
             try:
                 following = await self._run(run)
             finally:
-                self._running.pop(run.message.id, None)
+                # Only this run's entry: a handler that deferred its message to now may see it
+                # taken again by the dequeue loop (a new run under the same id) before its own
+                # report returns.
+                if self._running.get(run.message.id) is run:
+                    del self._running[run.message.id]
                 # No await between this check and the registration: _shutdown, which lists
                 # what still runs after the stop, sees every message taken before it.
                 chained = following is not None and not self._stopping.is_set()
