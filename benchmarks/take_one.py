@@ -26,7 +26,7 @@ from _shipped import function_text
 from psycopg import sql
 
 from lonnymq import Queue
-from lonnymq.bench import drop_schemas, fill_backlog, pgbench_rate
+from lonnymq.bench import SCRIPTS, drop_schemas, fill_backlog, pgbench_rate
 
 BACKLOG = 150_000
 CHANNELS = (1, 100)
@@ -38,14 +38,6 @@ LOOP = (
     "ALTER FUNCTION message_dequeue_loop(INTEGER, BIGINT) RENAME TO message_dequeue_many;\n"
     + function_text("0016_lean_checks.sql", "message_complete_and_dequeue")
     + "\nSELECT secure_functions();\n"
-)
-
-CYCLE = (
-    "SELECT coalesce(max(id) FILTER (WHERE status = 'locked'), 0) AS id, "
-    "coalesce(max(num_attempts) FILTER (WHERE status = 'locked'), 0) AS na "
-    "FROM {s}.message_complete_and_dequeue("
-    "CASE WHEN :id = 0 THEN '{{}}' ELSE ARRAY[:id] END::bigint[], "
-    "CASE WHEN :id = 0 THEN '{{}}' ELSE ARRAY[:na] END::int[], 1, 60000) \\gset\n"
 )
 
 
@@ -81,7 +73,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for key, schema in schemas.items():
                 script = tmp / f"{schema}.sql"
-                script.write_text(CYCLE.format(s=sql.Identifier(schema).as_string()))
+                script.write_text(
+                    SCRIPTS[("lonnymq", "take", 1)].format(s=sql.Identifier(schema).as_string())
+                )
                 rate = pgbench_rate(
                     script,
                     args.dsn,

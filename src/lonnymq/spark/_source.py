@@ -369,14 +369,14 @@ class _StreamWriter(DataSourceStreamArrowWriter):
                 self._opts,
                 sink_id=sink_id,
                 batch_id=batchId,
-                write_id=write_ids.pop() if len(write_ids) == 1 else "",
+                write_id=next(iter(write_ids)) if len(write_ids) == 1 else "",
                 task_tags=[m.task_tag for m in staged if not m.skipped],
                 expected_rows=sum(m.n_rows for m in staged),
                 streaming=True,
                 owner=owners[0] if owners and self._opts.sink_id is not None else None,
             )
         except InvalidArgumentError:
-            _write.clear(self._opts, {m.write_id for m in staged})  # what the tasks staged
+            _write.clear(self._opts, write_ids)  # what the tasks staged
             raise
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
