@@ -341,6 +341,41 @@ def test_defer_many_reports_each_message(queue: Queue) -> None:
     assert sorted((m.content, m.num_attempts) for m in again) == [(b"x", 2), (b"y", 2)]
 
 
+def test_defer_many_takes_no_transaction_id_per_message(queue: Queue, dsn: str) -> None:
+    # A subtransaction per message (one transaction id each) overflows the backend's cache of
+    # 64 and slows every other session's snapshots while the batch runs.
+    stale, _fresh = make_stale(queue, "s")
+    queue.channel("p").set_policy(max_concurrency=500)
+    queue.create_many([NewMessage(b"m", channel=f"c{i % 7}") for i in range(200)])
+    queue.create_many([NewMessage(b"p", channel="p") for _ in range(100)])
+    held = queue.dequeue_many(1_000, lock_ms=LOCK_MS)
+    assert len(held) == 300
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with conn.transaction():
+            first = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
+            statuses = queue.defer_many([*held, stale], conn=conn)
+        after = conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
+    assert statuses == [AckStatus.OK] * 300 + [AckStatus.STALE]
+    assert first is not None
+    assert after is not None
+    # One id for the batch's transaction (the loop of 0001 took one more per message).
+    assert after[0] - first[0] < 50
+    stats = {s.channel: s for s in queue.stats()}
+    assert (stats["p"].size, stats["p"].in_flight) == (100, 0)
+    assert queue.verify() == []
+    assert len(queue.dequeue_many(1_000, lock_ms=LOCK_MS)) == 300
+
+
+def test_defer_many_with_an_id_named_twice_defers_it_once(queue: Queue) -> None:
+    queue.create(b"x", channel="a")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    assert queue.defer_many([held, held]) == [AckStatus.OK, AckStatus.STALE]
+    again = queue.dequeue(lock_ms=LOCK_MS)
+    assert again is not None
+    assert (again.id, again.num_attempts) == (held.id, 2)
+
+
 def test_defer_many_without_dequeue_at_is_due_now(queue: Queue) -> None:
     queue.create(b"x", channel="a")
     queue.create(b"y", channel="b")
