@@ -18,6 +18,7 @@ def test_async_worker_drains_within_limits_and_retries_then_dead_letters(
 ) -> None:
     sync = make_queue(archive=True)
     sync.channel("solo").set_policy(max_concurrency=1)
+    sync.channel("dead").set_policy(max_concurrency=0)
     sync.create_many(
         [NewMessage(f"{c}-{i}".encode(), channel=c) for i in range(15) for c in ("solo", "free")]
     )
@@ -47,19 +48,30 @@ def test_async_worker_drains_within_limits_and_retries_then_dead_letters(
                 dead_letter_channel="dead",
             )
 
-            async def skip_dead(message: AsyncMessage) -> None:
-                if message.channel != "dead":
-                    await handler(message)
-
-            worker.handler = skip_dead
             stats = await worker.run(handle_signals=False, until_idle=True)
         return peak, poison_attempts, stats
 
     peak, poison_attempts, stats = asyncio.run(main())
     assert peak["solo"] == 1
     assert poison_attempts == [1, 2]
-    assert (stats.completed, stats.retried, stats.dead_lettered) == (31, 1, 1)
-    assert all(s.size == 0 for s in sync.stats())
+    assert (stats.completed, stats.retried, stats.dead_lettered) == (30, 1, 1)
+    # The poison's copy waits in the paused dead-letter channel.
+    assert [(s.channel, s.size) for s in sync.stats() if s.size] == [("dead", 1)]
+
+
+def test_async_worker_refuses_a_dead_letter_channel_it_would_take_from(
+    dsn: str, queue: Queue
+) -> None:
+    queue.create(b"m", channel="work")
+
+    async def main() -> None:
+        async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+            worker = AsyncWorker(aqueue, lambda m: None, dead_letter_channel="dead")
+            await worker.run(handle_signals=False, until_idle=True)
+
+    with pytest.raises(InvalidArgumentError, match="pause it first"):
+        asyncio.run(main())
+    assert [(s.channel, s.size, s.in_flight) for s in queue.stats()] == [("work", 1, 0)]
 
 
 def test_async_worker_runs_plain_functions_in_threads(

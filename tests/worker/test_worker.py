@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import Message, NewMessage, Queue
+from lonnymq import InvalidArgumentError, Message, NewMessage, Queue
 from lonnymq.worker import Backoff, Worker
 
 
@@ -102,34 +102,78 @@ def test_exhausted_message_goes_to_the_dead_letter_channel(
     make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
 ) -> None:
     queue = make_queue(archive=True)
-    queue.create(b"poison", channel="work")
+    queue.channel("dead").set_policy(max_concurrency=0)
+    created = queue.create(b"poison", channel="work")
+    seen: list[str] = []
 
     def handler(message: Message) -> None:
-        if message.channel == "work":
-            raise RuntimeError("cannot")
-
-    worker = Worker(queue, handler, max_attempts=1, dead_letter_channel="dead")
-    seen: list[str] = []
-    original = worker.handler
-
-    def recording(message: Message) -> object:
         seen.append(message.channel)
-        return original(message)
+        raise RuntimeError("cannot")
 
-    worker.handler = recording
+    worker = Worker(queue, handler, max_attempts=2, dead_letter_channel="dead")
     stats = worker.run(handle_signals=False, until_idle=True)
-    # The dead-lettered copy was itself processed (the handler accepts "dead" messages).
-    assert seen == ["work", "dead"]
-    assert (stats.dead_lettered, stats.completed) == (1, 1)
-    outcomes = [(row[1], row[2]) for row in _archive(admin, schema_name)]
-    assert outcomes == [("work", "failed"), ("dead", "completed")]
+    # The copy waits in the paused channel: until_idle ends with it there, never run.
+    assert seen == ["work", "work"]
+    assert (stats.retried, stats.dead_lettered, stats.completed) == (1, 1, 0)
+    outcomes = [(row[0], row[1], row[2]) for row in _archive(admin, schema_name)]
+    assert outcomes == [(created.id, "work", "failed")]
+    [dead] = queue.stats()
+    assert (dead.channel, dead.size, dead.in_flight) == ("dead", 1, 0)
+
+
+@pytest.mark.parametrize("policy", [None, (None, 10), (1, None)])
+def test_a_worker_refuses_a_dead_letter_channel_it_would_take_from(
+    queue: Queue, policy: tuple[int | None, int | None] | None
+) -> None:
+    # Every channel is served: an unpaused dead-letter channel would hand each moved message
+    # back to the handler that failed it.
+    if policy is not None:
+        queue.channel("dead").set_policy(max_concurrency=policy[0], max_size=policy[1])
+    created = queue.create(b"m", channel="work")
+    worker = Worker(queue, lambda m: None, dead_letter_channel="dead")
+    with pytest.raises(InvalidArgumentError, match=r"pause it first.*max_concurrency=0"):
+        worker.run(handle_signals=False, until_idle=True)
+    assert [(s.channel, s.size, s.in_flight) for s in queue.stats() if s.size] == [("work", 1, 0)]
+    taken = queue.dequeue(lock_ms=1_000)  # never taken by the refused worker
+    assert taken is not None
+    assert (taken.id, taken.num_attempts) == (created.id, 1)
+
+
+def test_a_dead_letter_message_that_fails_for_good_is_not_moved_again(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    # Someone let the dead-letter channel run after the worker started: moving its messages
+    # into their own channel would make a new message to fail each time.
+    queue = make_queue(archive=True)
+    queue.channel("dead").set_policy(max_concurrency=0)
+    worker = Worker(queue, _always_fails, max_attempts=1, dead_letter_channel="dead")
+    thread = threading.Thread(target=worker.run, kwargs={"handle_signals": False})
+    thread.start()
+    try:
+        queue.channel("dead").clear_policy()
+        created = queue.create(b"old poison", channel="dead")
+        deadline = time.monotonic() + 30
+        while worker.stats.failed == 0:
+            assert time.monotonic() < deadline, "the dead letter was not failed"
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+        thread.join(timeout=30)
+    assert (worker.stats.failed, worker.stats.dead_lettered) == (1, 0)
+    outcomes = [(row[0], row[1], row[2]) for row in _archive(admin, schema_name)]
+    assert outcomes == [(created.id, "dead", "failed")]
+    assert queue.stats() == []
+
+
+def _always_fails(message: Message) -> None:
+    raise RuntimeError("cannot")
 
 
 def test_a_full_dead_letter_channel_keeps_the_message_until_it_has_room(
     make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
 ) -> None:
     queue = make_queue(archive=True)
-    queue.channel("dead").set_policy(max_size=0)
+    queue.channel("dead").set_policy(max_concurrency=0, max_size=0)
     created = queue.create(b"poison", channel="work")
 
     def handler(message: Message) -> None:
@@ -150,7 +194,7 @@ def test_a_full_dead_letter_channel_keeps_the_message_until_it_has_room(
             time.sleep(0.05)
         assert _archive(admin, schema_name) == []
         assert worker.stats.dead_lettered == 0
-        queue.channel("dead").set_policy(max_size=1)
+        queue.channel("dead").set_policy(max_concurrency=0, max_size=1)
         while worker.stats.dead_lettered == 0:
             assert time.monotonic() < deadline, "the message was not moved once there was room"
             time.sleep(0.05)

@@ -124,7 +124,13 @@ class Worker:
 
     def run(self, *, handle_signals: bool = True, until_idle: bool = False) -> WorkerStats:
         """Work until :meth:`stop`, SIGTERM or SIGINT (or, with ``until_idle``, until nothing
-        but schedules is waiting and nothing is running). Returns what was done."""
+        but schedules and paused channels is waiting and nothing is running). Returns what was
+        done.
+
+        Raises :class:`InvalidArgumentError` when ``dead_letter_channel`` is not paused."""
+        dead = self.options.dead_letter_channel
+        if dead is not None:
+            _policy.check_dead_letter_channel(dead, self.queue.channel(dead).stats())
         self._stopping.clear()
         previous = self._install_signals() if handle_signals else {}
         helpers = [threading.Thread(target=self._heartbeats, daemon=True, name="lonnymq-hb")]

@@ -103,7 +103,13 @@ class AsyncWorker:
 
     async def run(self, *, handle_signals: bool = True, until_idle: bool = False) -> WorkerStats:
         """Work until :meth:`stop`, SIGTERM or SIGINT (or, with ``until_idle``, until nothing
-        but schedules is waiting and nothing is running). Returns what was done."""
+        but schedules and paused channels is waiting and nothing is running). Returns what was
+        done.
+
+        Raises :class:`InvalidArgumentError` when ``dead_letter_channel`` is not paused."""
+        dead = self.options.dead_letter_channel
+        if dead is not None:
+            _policy.check_dead_letter_channel(dead, await self.queue.channel(dead).stats())
         self._stopping.clear()
         loop = asyncio.get_running_loop()
         signals = []

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from ..errors import InvalidArgumentError
 from ..schedule import SCHEDULE_CHANNEL
+from ..types import ChannelStats
 
 __all__ = ["Action", "Backoff", "Decision", "WorkerOptions", "WorkerStats", "error_text"]
 
@@ -209,9 +210,12 @@ class _Held(Protocol):
     def num_attempts(self) -> int: ...
 
 
-def _give_up(options: WorkerOptions, error: str) -> Decision:
-    if options.dead_letter_channel is not None:
-        return Decision(Action.DEAD_LETTER, error=error, channel=options.dead_letter_channel)
+def _give_up(message: _Held, options: WorkerOptions, error: str) -> Decision:
+    # A message of the dead-letter channel itself (taken while someone let that channel run)
+    # is failed: moving it into its own channel would make a new message to fail again.
+    target = options.dead_letter_channel
+    if target is not None and message.channel != target:
+        return Decision(Action.DEAD_LETTER, error=error, channel=target)
     return Decision(Action.FAIL, error=error)
 
 
@@ -223,6 +227,7 @@ def before_run(message: _Held, options: WorkerOptions) -> Decision:
         return Decision(Action.FIRE)
     if message.num_attempts > options.max_attempts:
         return _give_up(
+            message,
             options,
             f"attempt {message.num_attempts} exceeds max_attempts={options.max_attempts}: "
             "earlier attempts ended without an outcome (a worker crashed or lost the lock) "
@@ -244,7 +249,7 @@ def after_run(
     if message.num_attempts < options.max_attempts:
         delay = options.backoff.delay_ms(message.num_attempts, rng)
         return Decision(Action.RETRY, dequeue_at=now_ms + delay)
-    return _give_up(options, error_text(error))
+    return _give_up(message, options, error_text(error))
 
 
 def sleep_ms(retry_at: int | None, now_ms: int, idle_ms: int) -> int:
@@ -261,14 +266,26 @@ def reconnect_delay(failures: int) -> float:
     return float(min(30.0, 0.1 * 2 ** min(max(failures - 1, 0), 10)))
 
 
-class _Sized(Protocol):
-    @property
-    def channel(self) -> str: ...
-    @property
-    def size(self) -> int: ...
+def check_dead_letter_channel(channel: str, stats: ChannelStats | None) -> None:
+    """Refuse to start a worker whose dead-letter channel it would take messages from: every
+    channel of the queue is served, so an unpaused dead-letter channel hands each message the
+    worker moved there back to the same handler, which fails it and moves it again."""
+    if stats is None or stats.policy.max_concurrency != 0:
+        raise InvalidArgumentError(
+            f"dead-letter channel {channel!r} is not paused, so this worker would take back "
+            "the messages it moves there: pause it first with "
+            f"queue.channel({channel!r}).set_policy(max_concurrency=0) "
+            f"(CLI: lonnymq policy set {channel} --max-concurrency 0)"
+        )
 
 
-def only_schedules_left(stats: Iterable[_Sized]) -> bool:
-    """Whether nothing but schedule drivers is left in the queue (``until_idle`` then stops:
-    drivers wait forever)."""
-    return all(s.size == 0 for s in stats if s.channel != SCHEDULE_CHANNEL)
+def only_schedules_left(stats: Iterable[ChannelStats]) -> bool:
+    """Whether nothing a worker could take is left in the queue (``until_idle`` then stops):
+    schedule drivers wait forever, and a paused channel (``max_concurrency`` 0, a dead-letter
+    channel for one) gives nothing until someone lets it run."""
+    return all(
+        s.size == 0
+        for s in stats
+        if s.channel != SCHEDULE_CHANNEL
+        and not (s.policy.max_concurrency == 0 and s.in_flight == 0)
+    )
