@@ -7,6 +7,7 @@ last of them exits.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -25,17 +26,32 @@ _lock = threading.Lock()
 _servers: dict[Path, Any] = {}
 
 
+ROOT_DATA_DIR = Path("/var/lib/lonnymq/pgdata")
+
+
 def default_data_dir() -> Path:
-    """``$LONNYMQ_DATA_DIR``, else ``$XDG_DATA_HOME/lonnymq/pgdata`` (``~/.local/share``)."""
+    """``$LONNYMQ_DATA_DIR``, else ``$XDG_DATA_HOME/lonnymq/pgdata`` (``~/.local/share``); as
+    root, ``/var/lib/lonnymq/pgdata`` instead (see :func:`embedded_dsn`)."""
     configured = os.environ.get(DATA_DIR_ENV)
     if configured:
         return Path(configured).expanduser()
+    if _is_root():
+        return ROOT_DATA_DIR
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "lonnymq" / "pgdata"
 
 
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
 def embedded_dsn(data_dir: str | os.PathLike[str] | None = None) -> str:
-    """Start (or join) the embedded server for ``data_dir`` and return its connection string."""
+    """Start (or join) the embedded server for ``data_dir`` and return its connection string.
+
+    PostgreSQL does not run as root: as root, the server runs as the system user
+    ``embedded_postgres`` (created if missing), and every directory above ``data_dir`` is made
+    readable and searchable by others so that this user can reach it. That is why root's
+    default data directory is under ``/var/lib`` and not in the home directory."""
     if data_dir is not None and not _is_path(data_dir):
         raise InvalidArgumentError(
             f"data_dir must be None or a path without NUL, got {type(data_dir).__name__}"
@@ -81,6 +97,7 @@ def _start(path: Path) -> Any:
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _forget_dead_users(embedded_postgres, path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return embedded_postgres.get_server(path, cleanup_mode="stop")  # type: ignore[attr-defined]
@@ -90,3 +107,32 @@ def _start(path: Path) -> Any:
         raise EmbeddedServerError(
             f"could not start the embedded PostgreSQL in {path}: {err}\n{tail}".rstrip()
         ) from err
+
+
+def _forget_dead_users(module: Any, path: Path) -> None:
+    """Drop the processes that died without saying so (``kill -9``) from the data directory's
+    list of users: the last process to exit stops the server, and a dead entry would make
+    every later one think another user is left."""
+    users = path / ".handle_pids.json"
+    if not users.exists():
+        return
+    with module.postgres_server.PostgresServer._lock:
+        try:
+            pids = json.loads(users.read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(pids, list):
+            return
+        alive = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
+        if alive != pids:
+            users.write_text(json.dumps(alive))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,94 @@
+"""The embedded PostgreSQL: where its data lives, and who stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lonnymq import embedded
+
+START = textwrap.dedent(
+    """
+    import sys, time
+    import psycopg
+    from lonnymq.embedded import embedded_dsn
+    with psycopg.connect(embedded_dsn(sys.argv[1])) as conn:
+        conn.execute("SELECT 1")
+    print("ready", flush=True)
+    if sys.argv[2] == "wait":
+        time.sleep(600)
+    """
+)
+
+
+def _postmaster_pid(data: Path) -> int | None:
+    pid_file = data / "postmaster.pid"
+    if not pid_file.exists():
+        return None
+    return int(pid_file.read_text().split()[0])
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_default_data_dir_follows_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LONNYMQ_DATA_DIR", str(tmp_path / "chosen"))
+    assert embedded.default_data_dir() == tmp_path / "chosen"
+    monkeypatch.delenv("LONNYMQ_DATA_DIR")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert embedded.default_data_dir() == tmp_path / "xdg" / "lonnymq" / "pgdata"
+    # As root the server runs as another user, and every directory above the data is opened
+    # to others so that user can reach it: never the home directory.
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert embedded.default_data_dir() == Path("/var/lib/lonnymq/pgdata")
+
+
+@pytest.mark.own_server
+def test_a_killed_user_does_not_keep_the_server_running(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    first = subprocess.Popen(
+        [sys.executable, "-c", START, str(data), "wait"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert first.stdout is not None
+        assert first.stdout.readline().strip() == "ready"
+        server = _postmaster_pid(data)
+        assert server is not None
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        assert _running(server)  # nobody stopped it: its last user died without a word
+
+        # The next process to use it, and exit, is its last user and stops it.
+        done = subprocess.run(
+            [sys.executable, "-c", START, str(data), "exit"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.stdout.strip() == "ready", done.stderr
+        deadline = time.monotonic() + 30
+        while _running(server):
+            assert time.monotonic() < deadline, "the server was left running"
+            time.sleep(0.1)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        server = _postmaster_pid(data)
+        if server is not None and _running(server):
+            os.kill(server, signal.SIGTERM)
