@@ -267,6 +267,44 @@ def test_dequeue_passes_a_channel_whose_policy_is_being_changed(
     assert [m.id for m in left] == [first]
 
 
+@pytest.mark.parametrize("limit", [1, 5])
+def test_dequeue_rides_along_past_a_held_channel_with_a_policy(
+    dsn: str, queue: Queue, limit: int
+) -> None:
+    """Another session holds the rows of a channel with a policy, first in turn, and of a
+    policy-free one: a dequeue waits a little for the first, then passes it and rides along on
+    the second. Before 0027 it answered "nothing" after the wait."""
+    queue.channel("p").set_policy(max_concurrency=10)
+    now = queue.now()
+    queue.create(b"p", channel="p", dequeue_at=now - 1_000)  # "p" comes first in turn
+    free = [queue.create(f"f{i}".encode(), channel="f").id for i in range(2)]
+    with _session(dsn) as holder:
+        holder.execute(
+            _q(queue.schema, "SELECT FROM {}.channel WHERE name IN ('p', 'f') FOR UPDATE")
+        )
+        got = queue.dequeue_many(limit, lock_ms=LOCK_MS)
+        assert [m.id for m in got] == free[: min(limit, 2)]
+        holder.rollback()
+    assert queue.verify() == []
+
+
+def test_a_batch_dequeue_locks_only_the_heads_it_takes(dsn: str, queue: Queue) -> None:
+    """A batch of 3 over two channels takes a1, b1 and a2: b2, read but not taken, is left
+    free, so a dequeue running beside it (riding along on "b" once "a" has nothing left) takes
+    b2 and not the message behind it. Before 0027 b2 stayed locked until the batch's
+    transaction ended, and b3 left before it."""
+    contents = [b"a1", b"a2", b"b1", b"b2", b"b3", b"b4"]
+    created = queue.create_many([NewMessage(c, channel=chr(c[0])) for c in contents])
+    ids = dict(zip(contents, (r.id for r in created), strict=True))
+    with _session(dsn) as batch:
+        taken = queue.dequeue_many(3, lock_ms=LOCK_MS, conn=batch)
+        assert sorted(m.content for m in taken) == [b"a1", b"a2", b"b1"]
+        beside = queue.dequeue_many(1, lock_ms=LOCK_MS)
+        assert [m.id for m in beside] == [ids[b"b2"]]
+        batch.rollback()
+    assert queue.verify() == []
+
+
 @pytest.mark.parametrize("batch", [False, True], ids=["create", "create_many"])
 def test_create_leaves_a_due_channel_row_held_by_a_dequeue_alone(
     dsn: str, queue: Queue, admin: Conn, batch: bool

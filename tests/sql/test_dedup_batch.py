@@ -376,6 +376,19 @@ def test_defer_many_with_an_id_named_twice_defers_it_once(queue: Queue) -> None:
     assert (again.id, again.num_attempts) == (held.id, 2)
 
 
+def test_heartbeat_many_tells_a_stale_claim_from_the_holders(
+    queue: Queue, admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    stale, fresh = make_stale(queue, "s")
+    rows = admin.execute(
+        sql.SQL("SELECT id, status FROM {}.message_heartbeat_many(%s, %s, %s)").format(
+            sql.Identifier(schema_name)
+        ),
+        [[fresh.id, stale.id], [fresh.num_attempts, stale.num_attempts], LOCK_MS],
+    ).fetchall()
+    assert rows == [(fresh.id, "ok"), (stale.id, "stale")]
+
+
 def test_defer_many_without_dequeue_at_is_due_now(queue: Queue) -> None:
     queue.create(b"x", channel="a")
     queue.create(b"y", channel="b")
