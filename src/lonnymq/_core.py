@@ -18,6 +18,7 @@ from .errors import (
     InvalidPolicyError,
     PayloadTooLargeError,
 )
+from .schedule import SCHEDULE_CHANNEL
 from .types import (
     AckStatus,
     ChannelStats,
@@ -84,6 +85,17 @@ def check_channel(channel: object) -> str:
     if "\x00" in channel or not _encodable(channel):
         raise InvalidChannelError("channel name must be valid Unicode text without NUL characters")
     return channel
+
+
+def check_target_channel(channel: object) -> str:
+    """A channel to create messages in: a channel name, not the schedules' own channel."""
+    name = check_channel(channel)
+    if name == SCHEDULE_CHANNEL:
+        raise InvalidChannelError(
+            f"channel {SCHEDULE_CHANNEL!r} is reserved for schedules' drivers: "
+            "use schedule() to add one"
+        )
+    return name
 
 
 def check_payload(name: str, value: object, *, optional: bool) -> bytes | None:
@@ -213,7 +225,7 @@ def check_new_messages(items: Iterable[NewMessage]) -> list[NewMessage]:
         checked.append(
             NewMessage(
                 content=check_payload("content", item.content, optional=False),  # type: ignore[arg-type]
-                channel=check_channel(item.channel),
+                channel=check_target_channel(item.channel),
                 dequeue_at=check_time(
                     "dequeue_at", priority_to_dequeue_at(item.priority, item.dequeue_at)
                 ),

@@ -522,7 +522,7 @@ class AsyncQueue:
         at = _core.priority_to_dequeue_at(priority, dequeue_at)
         params = {
             "content": _core.check_payload("content", content, optional=False),
-            "channel": _core.check_channel(channel),
+            "channel": _core.check_target_channel(channel),
             "dequeue_at": _core.check_time("dequeue_at", at),
             "dedup_key": _core.check_dedup_key(dedup_key),
         }
@@ -663,7 +663,7 @@ class AsyncQueue:
         When ``channel`` is at its ``max_size`` nothing is done and :class:`ChannelFullError`
         is raised: the message stays held by you (and comes back when its lock expires)."""
         message_id, _ = _core.check_message(message)
-        target = _core.check_channel(channel)
+        target = _core.check_target_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
             async with self.transaction() as own:

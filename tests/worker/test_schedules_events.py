@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql
 
-from lonnymq import Message, Queue
+from lonnymq import Message, NewMessage, Queue
 from lonnymq.errors import InvalidArgumentError, InvalidChannelError, StaleMessageError
 from lonnymq.schedule import SCHEDULE_CHANNEL
 from lonnymq.worker import Worker
@@ -93,13 +96,36 @@ def test_a_stale_driver_holder_fires_nothing(make_queue: Callable[..., Queue]) -
 
 
 def test_garbage_in_the_schedule_channel_is_failed_not_looped(
-    make_queue: Callable[..., Queue],
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any]
 ) -> None:
     queue = make_queue()
-    queue.create(b"not a spec", channel=SCHEDULE_CHANNEL)
+    # The Python API refuses that channel (below); SQL callers can still write there.
+    admin.execute(
+        sql.SQL("SELECT {}.message_create(%s, %s)").format(sql.Identifier(queue.schema)),
+        [b"not a spec", SCHEDULE_CHANNEL],
+    )
     stats = Worker(queue, lambda m: None).run(handle_signals=False, until_idle=True)
     assert stats.failed == 1
     assert queue.stats() == []
+
+
+def test_messages_cannot_be_created_in_the_schedule_channel(
+    make_queue: Callable[..., Queue],
+) -> None:
+    queue = make_queue()
+    queue.create(b"x", channel="work")
+    held = queue.dequeue(lock_ms=60_000)
+    assert held is not None
+    for attempt in (
+        lambda: queue.create(b"x", channel=SCHEDULE_CHANNEL),
+        lambda: queue.channel(SCHEDULE_CHANNEL).create(b"x"),
+        lambda: queue.create_many([NewMessage(b"a"), NewMessage(b"x", channel=SCHEDULE_CHANNEL)]),
+        lambda: queue.dead_letter(held, channel=SCHEDULE_CHANNEL, error="boom"),
+    ):
+        with pytest.raises(InvalidChannelError, match="reserved for schedules"):
+            attempt()
+    assert [(s.channel, s.size, s.in_flight) for s in queue.stats()] == [("work", 1, 1)]
+    assert queue.schedules() == []
 
 
 def test_schedule_update_list_and_remove(make_queue: Callable[..., Queue]) -> None:
