@@ -10,7 +10,10 @@
 -- * Order within a channel: the batch step locked up to ceil(share / channels) heads of each
 --   channel (FOR UPDATE SKIP LOCKED) but took only its share in all, so a head it locked and
 --   left stayed locked until its transaction ended; other dequeues passed it and took the
---   messages behind it. Heads are now read without a lock, and only those chosen are locked.
+--   messages behind it. Each channel's quota is now exact (the first in turn take one more
+--   when the share does not divide evenly), so every head locked is taken. (Reading the heads
+--   without a lock and locking only those chosen halved the rate of 8 clients taking batches
+--   of 100 from one channel: they all read the same heads and then skipped each other's.)
 -- * message_heartbeat_many answered 'ok' for a stale claim of a message also claimed, in the
 --   same call, by the attempt that holds it (nothing wrong was extended; the status was
 --   wrong).
@@ -46,6 +49,7 @@ DECLARE
     v_due channel[];
     v_share INTEGER;
     v_quota INTEGER;
+    v_extra INTEGER;
     v_rows INTEGER;
 BEGIN
     IF NOT coalesce(p_limit BETWEEN 1 AND 10000 AND p_lock_ms BETWEEN 1 AND 604800000, FALSE)
@@ -102,12 +106,12 @@ BEGIN
                 v_share := p_limit - v_taken
                     - (SELECT count(*) FROM unnest(v_due) AS d WHERE d.has_policy)::INTEGER;
                 IF cardinality(v_free) > 0 AND v_share > 0 THEN
-                    v_quota := ceil(v_share::NUMERIC / cardinality(v_free));
-                    -- The heads are read without a lock and only the chosen ones are locked:
-                    -- a head locked and left out would stay locked until this transaction
+                    -- Each channel's share exactly (the first in turn take one more when
+                    -- they do not divide evenly), so every head locked is a head taken: a
+                    -- head locked and left out would stay locked until this transaction
                     -- ends, and other dequeues would pass it and take the messages behind it.
-                    -- A chosen head another session holds meanwhile is skipped; the steps
-                    -- below fill the batch.
+                    v_quota := v_share / cardinality(v_free);
+                    v_extra := v_share % cardinality(v_free);
                     RETURN QUERY
                         WITH picked AS (
                             SELECT h.id, f.ord, h.rn
@@ -119,17 +123,12 @@ BEGIN
                                     WHERE m.channel = f.name AND NOT m.is_locked
                                       AND m.dequeue_at <= v_now
                                     ORDER BY m.dequeue_at, m.id
-                                    LIMIT v_quota) x) h
+                                    LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
+                                    FOR UPDATE SKIP LOCKED) x) h
                         ), chosen AS (
                             SELECT p.id, p.ord, p.rn FROM picked p
-                            WHERE p.id = ANY (ARRAY(
-                                SELECT m.id FROM message m
-                                WHERE m.id = ANY (ARRAY(
-                                    SELECT q.id FROM picked q
-                                    ORDER BY q.rn, q.ord
-                                    LIMIT v_share))
-                                  AND NOT m.is_locked
-                                FOR UPDATE SKIP LOCKED))
+                            ORDER BY p.rn, p.ord
+                            LIMIT v_share
                         ), taken AS (
                             UPDATE message m SET
                                 is_locked = TRUE,
