@@ -698,6 +698,26 @@ class Queue:
         params = {"ids": [c[0] for c in claims], "num_attempts": [c[1] for c in claims]}
         return _core.ack_statuses(self._fetch("message_delete_many", params, conn))
 
+    def heartbeat_many(
+        self,
+        messages: Sequence[Message],
+        *,
+        lock_ms: int,
+        conn: Connection[Any] | None = None,
+    ) -> list[AckStatus]:
+        """Extend the locks of many messages you hold to now + ``lock_ms`` in one call; one
+        status per message, in order (``stale``: its lock was lost, and it is left alone)."""
+        claims = _core.check_claims(messages)
+        lock = _core.check_lock_ms(lock_ms)
+        if not claims:
+            return []
+        params = {
+            "ids": [c[0] for c in claims],
+            "num_attempts": [c[1] for c in claims],
+            "lock_ms": lock,
+        }
+        return _core.ack_statuses(self._fetch("message_heartbeat_many", params, conn))
+
     def defer_many(
         self,
         messages: Sequence[Message],

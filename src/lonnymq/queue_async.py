@@ -709,6 +709,26 @@ class AsyncQueue:
         params = {"ids": [c[0] for c in claims], "num_attempts": [c[1] for c in claims]}
         return _core.ack_statuses(await self._fetch("message_delete_many", params, conn))
 
+    async def heartbeat_many(
+        self,
+        messages: Sequence[AsyncMessage],
+        *,
+        lock_ms: int,
+        conn: AsyncConnection[Any] | None = None,
+    ) -> list[AckStatus]:
+        """Extend the locks of many messages you hold to now + ``lock_ms`` in one call; one
+        status per message, in order (``stale``: its lock was lost, and it is left alone)."""
+        claims = _core.check_claims(messages)
+        lock = _core.check_lock_ms(lock_ms)
+        if not claims:
+            return []
+        params = {
+            "ids": [c[0] for c in claims],
+            "num_attempts": [c[1] for c in claims],
+            "lock_ms": lock,
+        }
+        return _core.ack_statuses(await self._fetch("message_heartbeat_many", params, conn))
+
     async def defer_many(
         self,
         messages: Sequence[AsyncMessage],

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 import urllib.request
 import uuid
 from collections.abc import Callable
@@ -13,10 +15,10 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from lonnymq import Message, NewMessage, Queue
+from lonnymq import AckStatus, AsyncMessage, AsyncQueue, Message, NewMessage, Queue
 from lonnymq.errors import InvalidArgumentError
 from lonnymq.metrics import MetricsServer, WorkerMetrics
-from lonnymq.worker import Backoff, Worker
+from lonnymq.worker import AsyncWorker, Backoff, Worker, WorkerStats
 from lonnymq.worker._policy import reconnect_delay
 
 
@@ -142,3 +144,159 @@ def test_reconnect_delays_start_at_a_tenth_of_a_second_and_double_up_to_30() -> 
     assert delays[:4] == [0.1, 0.2, 0.4, 0.8]
     assert delays[-1] == 30.0
     assert delays == sorted(delays)
+
+
+# -- heartbeats and slots ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["Worker", "AsyncWorker"])
+def test_heartbeats_do_not_wait_for_handlers_holding_the_pool(
+    dsn: str, make_queue: Callable[..., Queue], use_async: bool
+) -> None:
+    """Handlers that finish their message in a transaction of their own hold every connection
+    of a small pool for longer than the lock: the heartbeats, on a connection of their own,
+    still renew the locks, so another consumer never gets those messages while they run."""
+    queue = make_queue(pool_size=2)
+    queue.create_many([NewMessage(b"x", channel=f"c{i}") for i in range(2)])
+    other = make_queue(install=False)
+    taken_by_other: list[int] = []
+    stop = threading.Event()
+
+    def compete() -> None:
+        while not stop.wait(0.05):
+            taken_by_other.extend(m.id for m in other.dequeue_many(10, lock_ms=60_000))
+
+    competitor = threading.Thread(target=compete)
+    competitor.start()
+    try:
+        if use_async:
+
+            async def main() -> WorkerStats:
+                async with AsyncQueue(dsn, schema=queue.schema, pool_size=2) as aqueue:
+
+                    async def handler(message: AsyncMessage) -> None:
+                        async with aqueue.transaction() as conn:
+                            await conn.execute("SELECT pg_sleep(1.5)")  # the business work
+                            await message.delete(conn=conn)
+
+                    worker = AsyncWorker(aqueue, handler, concurrency=2, lock_ms=600, idle_ms=50)
+                    return await worker.run(handle_signals=False, until_idle=True)
+
+            stats = asyncio.run(main())
+        else:
+
+            def handler(message: Message) -> None:
+                with queue.transaction() as conn:
+                    conn.execute("SELECT pg_sleep(1.5)")  # the business work
+                    message.delete(conn=conn)
+
+            worker = Worker(queue, handler, concurrency=2, lock_ms=600, idle_ms=50)
+            stats = worker.run(handle_signals=False, until_idle=True)
+    finally:
+        stop.set()
+        competitor.join()
+    assert taken_by_other == []
+    assert (stats.lost, stats.retried) == (0, 0)
+    assert queue.stats() == []
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["Worker", "AsyncWorker"])
+def test_a_yielding_handler_still_holds_its_slot(
+    dsn: str, make_queue: Callable[..., Queue], use_async: bool
+) -> None:
+    """A handler yields (defers its message to now) and goes on working: the message is taken
+    again and runs beside it, and the two runs take both slots of concurrency 2 (before, the
+    second run replaced the first in the count and a third handler started)."""
+    queue = make_queue()
+    queue.create(b"yielder", channel="y")
+    later = queue.now() + 300
+    queue.create_many([NewMessage(b"plain", channel=f"p{i}", dequeue_at=later) for i in range(3)])
+    guard = threading.Lock()
+    current = 0
+    peak = 0
+
+    def enter() -> None:
+        nonlocal current, peak
+        with guard:
+            current += 1
+            peak = max(peak, current)
+
+    def leave() -> None:
+        nonlocal current
+        with guard:
+            current -= 1
+
+    if use_async:
+
+        async def main() -> WorkerStats:
+            async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+
+                async def handler(message: AsyncMessage) -> None:
+                    enter()
+                    try:
+                        if message.content == b"yielder" and message.num_attempts == 1:
+                            await message.defer()
+                        await asyncio.sleep(0.6)
+                    finally:
+                        leave()
+
+                worker = AsyncWorker(aqueue, handler, concurrency=2, idle_ms=20)
+                return await worker.run(handle_signals=False, until_idle=True)
+
+        stats = asyncio.run(main())
+    else:
+
+        def handler(message: Message) -> None:
+            enter()
+            try:
+                if message.content == b"yielder" and message.num_attempts == 1:
+                    message.defer()
+                time.sleep(0.6)
+            finally:
+                leave()
+
+        stats = Worker(queue, handler, concurrency=2, idle_ms=20).run(
+            handle_signals=False, until_idle=True
+        )
+    assert peak == 2
+    assert (stats.completed, stats.lost) == (4, 0)
+    assert queue.stats() == []
+
+
+def test_async_worker_runs_as_many_plain_handlers_as_its_concurrency(
+    dsn: str, make_queue: Callable[..., Queue]
+) -> None:
+    """Plain functions run in threads the worker owns, one per slot: the default executor
+    (min(32, CPUs + 4) threads) would have left messages locked and waiting."""
+    queue = make_queue()
+    queue.create_many([NewMessage(b"x", channel=f"c{i}") for i in range(40)])
+    barrier = threading.Barrier(40, timeout=20)
+
+    def handler(message: AsyncMessage) -> None:
+        barrier.wait()  # passes only when all 40 run at once
+
+    async def main() -> WorkerStats:
+        async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+            worker = AsyncWorker(aqueue, handler, concurrency=40, idle_ms=20)
+            return await worker.run(handle_signals=False, until_idle=True)
+
+    stats = asyncio.run(main())
+    assert (stats.completed, stats.retried) == (40, 0)
+
+
+def test_heartbeat_many_reports_each_message(queue: Queue) -> None:
+    queue.create_many([NewMessage(b"a"), NewMessage(b"b")])
+    first, second = queue.dequeue_many(2, lock_ms=1_000)
+    second.delete()
+    queue.set_clock_offset(2_000)  # first's lock expires and another attempt takes it
+    again = queue.dequeue(lock_ms=60_000)
+    assert again is not None
+    assert again.id == first.id
+    assert queue.heartbeat_many([again, first, second], lock_ms=30_000) == [
+        AckStatus.OK,
+        AckStatus.STALE,
+        AckStatus.NOT_FOUND,
+    ]
+    assert queue.heartbeat_many([], lock_ms=30_000) == []
+    with pytest.raises(InvalidArgumentError):
+        queue.heartbeat_many([again], lock_ms=0)

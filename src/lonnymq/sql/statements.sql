@@ -45,6 +45,12 @@ SELECT {schema}.message_delete(
     p_outcome => %(outcome)s::text,
     p_error => %(error)s::text)
 
+-- name: message_heartbeat_many
+SELECT id, status FROM {schema}.message_heartbeat_many(
+    p_ids => %(ids)s::bigint[],
+    p_num_attempts => %(num_attempts)s::integer[],
+    p_lock_ms => %(lock_ms)s::bigint)
+
 -- name: message_delete_many
 SELECT id, status FROM {schema}.message_delete_many(
     p_ids => %(ids)s::bigint[],

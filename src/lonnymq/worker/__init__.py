@@ -111,7 +111,9 @@ class Worker:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._running: dict[int, _Task] = {}
+        # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
+        # reporting when its message is taken again, as a second run of the same id.
+        self._running: dict[_Task, None] = {}
         self._rng = random.Random()
         self._clock_offset_ms = 0
 
@@ -225,7 +227,7 @@ class Worker:
     def _start(self, message: Message) -> None:
         task = _Task(message)
         with self._lock:
-            self._running[message.id] = task
+            self._running[task] = None
             self.metrics.running = len(self._running)
         self.metrics.count("dequeued", message.channel)
         # Daemon threads: a handler that outlives the grace period (its message already given
@@ -246,18 +248,14 @@ class Worker:
                 following = self._run(task)
             finally:
                 with self._lock:
-                    # Only this task's entry: a handler that deferred its message to now may
-                    # see it taken again by the dequeue loop (a new task under the same id)
-                    # before its own report returns.
-                    if self._running.get(task.message.id) is task:
-                        del self._running[task.message.id]
+                    self._running.pop(task, None)
                     # Checked under the lock that _shutdown takes to list what still runs:
                     # a message taken after the stop is given back, never left unlisted.
                     chained = following is not None and not self._stopping.is_set()
                     done = task
                     if following is not None and chained:
                         task = _Task(following)
-                        self._running[following.id] = task
+                        self._running[task] = None
                     self.metrics.running = len(self._running)
                 done.done.set()
                 if not chained:
@@ -396,38 +394,63 @@ class Worker:
 
     def _heartbeats(self) -> None:
         """Renew every running message's lock each ``heartbeat_ms`` (a third of the lock by
-        default), so a long handler keeps its message; a lost lock is flagged."""
+        default, from the start of one round to the next), all in one call on a connection of
+        its own, so that handlers holding the pool's connections cannot hold renewals back; a
+        lost lock is flagged."""
         period = self.options.heartbeat_ms / 1000
-        while True:
-            if self._stopping.is_set():
-                # Keep renewing during the grace period, until the last handler is done.
+        conn: psycopg.Connection[Any] | None = None
+        next_round = time.monotonic() + period
+        try:
+            while True:
+                wait = max(0.0, next_round - time.monotonic())
+                if self._stopping.is_set():
+                    # Keep renewing during the grace period, until the last handler is done.
+                    with self._lock:
+                        if not self._running:
+                            return
+                    time.sleep(wait)
+                else:
+                    self._stopping.wait(wait)
+                next_round = max(next_round + period, time.monotonic())
                 with self._lock:
-                    if not self._running:
-                        return
-                time.sleep(period)
-            else:
-                self._stopping.wait(period)
-            with self._lock:
-                tasks = [t for t in self._running.values() if not (t.lost or t.abandoned)]
-            for task in tasks:
-                if task.done.is_set():
+                    tasks = [t for t in self._running if not (t.lost or t.abandoned)]
+                tasks = [t for t in tasks if not t.done.is_set()]
+                if not tasks:
                     continue
                 try:
-                    task.message.heartbeat(lock_ms=self.options.lock_ms)
-                except LonnyMQError as err:
-                    if task.done.is_set():
-                        continue  # finished during the call: nothing to renew
-                    if not isinstance(err, StaleMessageError):
-                        log.warning("message %s: heartbeat failed (%s)", task.message.id, err)
-                        continue
-                    with self._lock:
-                        task.lost = True
-                    self._count("lost", task.message.channel)
-                    log.warning(
-                        "message %s: lock lost while its handler runs",
-                        task.message.id,
-                        extra=_fields(task.message),
+                    if conn is None:
+                        conn = psycopg.connect(self.queue.dsn, autocommit=True)
+                    statuses = self.queue.heartbeat_many(
+                        [t.message for t in tasks], lock_ms=self.options.lock_ms, conn=conn
                     )
+                except (LonnyMQError, psycopg.Error) as err:
+                    log.warning("heartbeats failed (%s); trying again next round", err)
+                    if conn is not None:
+                        conn.close()
+                        conn = None
+                    continue
+                with self._lock:
+                    running = [t.message for t in self._running]
+                for task, status in zip(tasks, statuses, strict=True):
+                    self._renewed(task, _policy.renewal(status, task.message, running))
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _renewed(self, task: _Task, outcome: _policy.Renewal) -> None:
+        if outcome is _policy.Renewal.RENEWED or task.done.is_set():
+            return  # renewed, or finished during the call: nothing to renew
+        if outcome is not _policy.Renewal.LOST:
+            log.debug("message %s: not renewed (%s)", task.message.id, outcome.value)
+            return
+        with self._lock:
+            task.lost = True
+        self._count("lost", task.message.channel)
+        log.warning(
+            "message %s: lock lost while its handler runs",
+            task.message.id,
+            extra=_fields(task.message),
+        )
 
     def _maintain(self, every_ms: int) -> None:
         """Run ``queue.maintain()`` every ``every_ms`` until the worker stops."""
@@ -471,7 +494,7 @@ class Worker:
                     return
             time.sleep(0.02)
         with self._lock:
-            tasks = [t for t in self._running.values() if not t.done.is_set()]
+            tasks = [t for t in self._running if not t.done.is_set()]
             for task in tasks:
                 task.abandoned = True
         for task in tasks:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import inspect
 import logging
 import random
@@ -12,7 +14,9 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
@@ -50,8 +54,9 @@ def _fields(message: AsyncMessage) -> dict[str, object]:
 
 class AsyncWorker:
     """Runs ``handler(message)`` for the messages of an :class:`~lonnymq.AsyncQueue`: a
-    coroutine function as a task, a plain function in a thread (``asyncio.to_thread``). Same
-    options and behaviour as :class:`~lonnymq.worker.Worker`; ``await worker.run()``."""
+    coroutine function as a task, a plain function in a thread (of ``concurrency`` that the
+    worker owns). Same options and behaviour as :class:`~lonnymq.worker.Worker`;
+    ``await worker.run()``."""
 
     def __init__(
         self,
@@ -92,7 +97,10 @@ class AsyncWorker:
         self.stats = WorkerStats()
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
-        self._running: dict[int, _Run] = {}
+        # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
+        # reporting when its message is taken again, as a second run of the same id.
+        self._running: dict[_Run, None] = {}
+        self._executor: ThreadPoolExecutor | None = None
         self._rng = random.Random()
         self._clock_offset_ms = 0
 
@@ -117,6 +125,11 @@ class AsyncWorker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
                 signals.append(sig)
+        # Plain-function handlers get a thread each, up to concurrency (the default executor
+        # has at most min(32, CPUs + 4)).
+        self._executor = ThreadPoolExecutor(
+            max_workers=self.options.concurrency, thread_name_prefix="lonnymq-handler"
+        )
         helpers = [asyncio.create_task(self._heartbeats())]
         if self.options.maintenance_ms is not None:
             helpers.append(asyncio.create_task(self._maintain(self.options.maintenance_ms)))
@@ -135,6 +148,8 @@ class AsyncWorker:
                     await helper
             for sig in signals:
                 loop.remove_signal_handler(sig)
+            # A handler that outlived the grace period keeps its thread; nobody waits for it.
+            self._executor.shutdown(wait=False, cancel_futures=True)
         return self.stats
 
     # -- the dequeue loop ----------------------------------------------------------------
@@ -172,7 +187,7 @@ class AsyncWorker:
                 continue
             for message in batch.messages:
                 run = _Run(message)
-                self._running[message.id] = run
+                self._running[run] = None
                 self.metrics.running = len(self._running)
                 self.metrics.count("dequeued", message.channel)
                 run.task = asyncio.create_task(self._execute(run))
@@ -196,7 +211,9 @@ class AsyncWorker:
         if inspect.iscoroutinefunction(self.handler):
             await self.handler(message)
             return
-        result = await asyncio.to_thread(self.handler, message)
+        assert self._executor is not None
+        call = functools.partial(contextvars.copy_context().run, self.handler, message)
+        result = await asyncio.get_running_loop().run_in_executor(self._executor, call)
         if inspect.isawaitable(result):
             await result
 
@@ -208,17 +225,13 @@ class AsyncWorker:
             try:
                 following = await self._run(run)
             finally:
-                # Only this run's entry: a handler that deferred its message to now may see it
-                # taken again by the dequeue loop (a new run under the same id) before its own
-                # report returns.
-                if self._running.get(run.message.id) is run:
-                    del self._running[run.message.id]
+                self._running.pop(run, None)
                 # No await between this check and the registration: _shutdown, which lists
                 # what still runs after the stop, sees every message taken before it.
                 chained = following is not None and not self._stopping.is_set()
                 if following is not None and chained:
                     run = _Run(following, task=run.task)
-                    self._running[following.id] = run
+                    self._running[run] = None
                 self.metrics.running = len(self._running)
                 if not chained:
                     self._wake.set()
@@ -350,18 +363,40 @@ class AsyncWorker:
     # -- helpers ---------------------------------------------------------------------------
 
     async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self.options.heartbeat_ms / 1000)
-            for run in [r for r in self._running.values() if not (r.lost or r.abandoned)]:
-                if self._running.get(run.message.id) is not run:
-                    continue  # finished while the others were renewed
+        """Renew every running message's lock each ``heartbeat_ms`` (from the start of one
+        round to the next), all in one call on a connection of its own, so that handlers
+        holding the pool's connections cannot hold renewals back; a lost lock is flagged."""
+        period = self.options.heartbeat_ms / 1000
+        conn: psycopg.AsyncConnection[Any] | None = None
+        next_round = time.monotonic() + period
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, next_round - time.monotonic()))
+                next_round = max(next_round + period, time.monotonic())
+                runs = [r for r in self._running if not (r.lost or r.abandoned)]
+                if not runs:
+                    continue
                 try:
-                    await run.message.heartbeat(lock_ms=self.options.lock_ms)
-                except LonnyMQError as err:
-                    if self._running.get(run.message.id) is not run:
-                        continue  # finished during the call: nothing to renew
-                    if not isinstance(err, StaleMessageError):
-                        log.warning("message %s: heartbeat failed (%s)", run.message.id, err)
+                    if conn is None:
+                        conn = await psycopg.AsyncConnection.connect(
+                            self.queue.dsn, autocommit=True
+                        )
+                    statuses = await self.queue.heartbeat_many(
+                        [r.message for r in runs], lock_ms=self.options.lock_ms, conn=conn
+                    )
+                except (LonnyMQError, psycopg.Error) as err:
+                    log.warning("heartbeats failed (%s); trying again next round", err)
+                    if conn is not None:
+                        await conn.close()
+                        conn = None
+                    continue
+                running = [r.message for r in self._running]
+                for run, status in zip(runs, statuses, strict=True):
+                    outcome = _policy.renewal(status, run.message, running)
+                    if outcome is _policy.Renewal.RENEWED or run not in self._running:
+                        continue  # renewed, or finished during the call: nothing to renew
+                    if outcome is not _policy.Renewal.LOST:
+                        log.debug("message %s: not renewed (%s)", run.message.id, outcome.value)
                         continue
                     run.lost = True
                     self._count("lost", run.message.channel)
@@ -370,6 +405,9 @@ class AsyncWorker:
                         run.message.id,
                         extra=_fields(run.message),
                     )
+        finally:
+            if conn is not None:
+                await conn.close()
 
     async def _maintain(self, every_ms: int) -> None:
         """Run ``queue.maintain()`` every ``every_ms`` (the task is cancelled at the end)."""
@@ -404,11 +442,11 @@ class AsyncWorker:
                 await asyncio.sleep(_policy.reconnect_delay(failures))
 
     async def _shutdown(self) -> None:
-        runs = list(self._running.values())
+        runs = list(self._running)
         tasks = [r.task for r in runs if r.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=self.options.grace_s)
-        for run in [r for r in self._running.values() if r.task is not None]:
+        for run in [r for r in self._running if r.task is not None]:
             assert run.task is not None
             if run.task.done():
                 continue

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ..errors import InvalidArgumentError
 from ..schedule import SCHEDULE_CHANNEL
-from ..types import ChannelStats
+from ..types import AckStatus, ChannelStats
 
 __all__ = ["Action", "Backoff", "Decision", "WorkerOptions", "WorkerStats", "error_text"]
 
@@ -264,6 +264,36 @@ def reconnect_delay(failures: int) -> float:
     """Seconds to wait after ``failures`` consecutive lost connections (0.1 s doubling, at most
     30 s)."""
     return float(min(30.0, 0.1 * 2 ** min(max(failures - 1, 0), 10)))
+
+
+class _Claim(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def num_attempts(self) -> int: ...
+
+
+class Renewal(StrEnum):
+    """What a heartbeat's status means for the run that holds the message."""
+
+    RENEWED = "renewed"
+    LOST = "lost"
+    """Another attempt holds the message now: the run must not report."""
+    YIELDED = "yielded"
+    """The run's handler gave the message back and this worker took it again."""
+    GONE = "gone"
+    """The message no longer exists (its handler may have finished it itself)."""
+
+
+def renewal(status: AckStatus, held: _Claim, running: Iterable[_Claim]) -> Renewal:
+    """Read a heartbeat's status for ``held``, knowing the messages this worker runs now."""
+    if status is AckStatus.OK:
+        return Renewal.RENEWED
+    if status is AckStatus.NOT_FOUND:
+        return Renewal.GONE
+    if any(r.id == held.id and r.num_attempts > held.num_attempts for r in running):
+        return Renewal.YIELDED
+    return Renewal.LOST
 
 
 def check_dead_letter_channel(channel: str, stats: ChannelStats | None) -> None:
