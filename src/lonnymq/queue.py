@@ -833,7 +833,9 @@ class Queue:
     ) -> bool:
         """Create or update the periodic schedule ``name``: at each ``cron`` time (five
         fields, UTC) a worker creates one message ``content`` in ``channel``. Returns
-        ``True`` when the schedule is new. See :mod:`lonnymq.schedule`."""
+        ``True`` when the schedule is new. The same schedule declared again changes nothing
+        (a firing that is due still fires); a changed one counts from now. See
+        :mod:`lonnymq.schedule`."""
         name = _schedule.check_name(name)
         parsed = _schedule.Cron.parse(cron)
         target = _core.check_channel(channel)
@@ -841,6 +843,12 @@ class Queue:
             raise InvalidArgumentError(f"channel {target!r} is reserved for schedules")
         payload = _core.check_payload("content", content, optional=False)
         assert payload is not None
+        spec = _schedule.ScheduleSpec(name, parsed.expression, target, payload, since=0)
+        for row in self._fetch("schedule_list", {}, conn):
+            if row[0] == name and _schedule.same_spec(bytes(row[1]), spec):
+                # Declared again unchanged (an application starting up): left as it is, so a
+                # firing that is due is not skipped.
+                return False
         now = self.now(conn=conn)
         next_at = parsed.next_after(now)
         assert next_at is not None  # parse() refuses expressions that never fire

@@ -251,6 +251,21 @@ class Schedule:
     firing: bool
 
 
+def same_spec(data: bytes, spec: ScheduleSpec) -> bool:
+    """Whether the driver's spec ``data`` does what ``spec`` does (``since`` aside); a driver
+    that carries no spec does not."""
+    try:
+        held = ScheduleSpec.decode(data)
+    except InvalidArgumentError:
+        return False
+    return (held.name, held.cron, held.channel, held.content) == (
+        spec.name,
+        spec.cron,
+        spec.channel,
+        spec.content,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Firing:
     """What processing a driver does: fire for ``fire_at`` (``None``: nothing due) and come

@@ -128,6 +128,30 @@ def test_messages_cannot_be_created_in_the_schedule_channel(
     assert queue.schedules() == []
 
 
+def test_a_schedule_declared_again_unchanged_still_fires_when_due(
+    make_queue: Callable[..., Queue],
+) -> None:
+    """Workers were down across a due time (a deploy); the new deployment declares its
+    schedules again at start, unchanged, before a worker runs: the due firing still fires.
+    Before, the declaration moved the driver to the next time and the firing was lost."""
+    queue = make_queue()
+    assert queue.schedule("hourly", cron="0 * * * *", content=b"run", channel="jobs") is True
+    [before] = queue.schedules()
+    queue.set_clock_offset(before.next_at + 10 * MINUTE - queue.now())
+    assert queue.schedule("hourly", cron="0 * * * *", content=b"run", channel="jobs") is False
+    [kept] = queue.schedules()
+    assert kept.next_at == before.next_at
+    stats = Worker(queue, lambda m: None).run(handle_signals=False, until_idle=True)
+    assert (stats.fired, stats.completed) == (1, 1)
+    [fired] = queue.schedules()
+    assert fired.last_fired_at == before.next_at
+    # Changed, it counts from now: the next time of the new expression.
+    assert queue.schedule("hourly", cron="30 * * * *", content=b"run", channel="jobs") is False
+    [changed] = queue.schedules()
+    assert changed.cron == "30 * * * *"
+    assert 0 < changed.next_at - queue.now() <= 60 * MINUTE
+
+
 def test_schedule_update_list_and_remove(make_queue: Callable[..., Queue]) -> None:
     queue = make_queue()
     assert queue.schedule("a", cron="0 * * * *", content=b"1") is True
