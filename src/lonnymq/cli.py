@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
-from . import migrate
+from . import _core, migrate
 from .errors import InvalidArgumentError, LonnyMQError
 from .metrics import JsonFormatter, MetricsServer, OperationStats, WorkerMetrics
 from .queue import Queue
@@ -343,7 +343,9 @@ class _Progress:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "migrate":
-        sys.stdout.write(migrate.script(args.schema, from_version=args.from_version))
+        sys.stdout.write(
+            migrate.script(_core.check_schema(args.schema), from_version=args.from_version)
+        )
         return 0
     if args.command == "bench":
         from .bench import run_bench
@@ -456,7 +458,7 @@ def _contents(args: argparse.Namespace) -> Iterator[bytes]:
         return
     try:
         for line in sys.stdin:
-            text = line.rstrip("\n")
+            text = line.rstrip("\r\n")
             if text:
                 yield _utf8(text, "message content")
     except UnicodeDecodeError as err:
@@ -544,6 +546,9 @@ def _worker(q: Queue, args: argparse.Namespace) -> int:
     module_name, _, function_name = args.handler.partition(":")
     if not module_name or not function_name:
         raise InvalidArgumentError(f"handler must be module.path:function, got {args.handler!r}")
+    # As `python -m` would: a handler module in the current directory is found.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         handler = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as err:
@@ -785,6 +790,10 @@ def _archive(q: Queue, args: argparse.Namespace) -> int:
             if len(page) < 1000:
                 break
             before = page[-1].id
+    if not ids and args.failed:
+        if not args.json:
+            print("nothing to replay: no failed message in the archive waits for a replay")
+        return 0
     if not ids:
         raise InvalidArgumentError("give archive ids, or --failed")
     counts: dict[str, int] = {}

@@ -204,6 +204,23 @@ def test_create_from_arguments_and_from_stdin(dsn: str, schema_name: str) -> Non
     assert sizes == {"p": 2, "x": 2, "y": 3}
 
 
+def test_create_from_stdin_takes_windows_line_ends_off(dsn: str, schema_name: str) -> None:
+    assert _run_in(dsn, schema_name, "install").returncode == 0
+    created = _run_in(dsn, schema_name, "create", "--channel", "w", stdin="one\r\ntwo\r\n")
+    assert created.returncode == 0, created.stderr
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(f'SELECT content FROM "{schema_name}".message ORDER BY id').fetchall()
+    assert [bytes(r[0]) for r in rows] == [b"one", b"two"]
+
+
+def test_migrate_print_refuses_a_bad_schema_name(dsn: str) -> None:
+    for bad in ("", "1bad", "pg_evil", 'a"b'):
+        result = _run(dsn, "--schema", bad, "migrate", "--print")
+        assert result.returncode != 0, bad
+        assert "schema" in result.stderr
+        assert result.stdout == ""
+
+
 def test_create_refuses_contradictory_options(dsn: str, schema_name: str) -> None:
     assert _run_in(dsn, schema_name, "install").returncode == 0
     both = _run_in(dsn, schema_name, "create", "a", "--dequeue-at", "1", "--delay-ms", "5")
@@ -271,3 +288,17 @@ def test_worker_command_runs_a_handler_until_idle(
     missing = _run_in(dsn, schema_name, "worker", "cli_handlers:nope", env=env)
     assert missing.returncode == 1
     assert "cannot load handler" in missing.stderr
+    # The installed script finds a handler module in the current directory, as `python -m`.
+    assert _run_in(dsn, schema_name, "create", "ok3").returncode == 0
+    script = Path(sys.executable).parent / "lonnymq"
+    here = subprocess.run(
+        [str(script), "--schema", schema_name, "worker", "cli_handlers:handle", "--until-idle"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "LONNYMQ_DSN": dsn},
+        timeout=240,
+        check=False,
+    )
+    assert here.returncode == 0, here.stderr
+    assert json.loads(here.stdout.splitlines()[-1])["completed"] == 1

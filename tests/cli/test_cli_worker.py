@@ -99,7 +99,10 @@ def test_archive_list_and_replay_failed(dsn: str, schema_name: str, tmp_path: Pa
     assert replayed.returncode == 0, replayed.stderr
     assert replayed.stdout.strip() == "2 replayed"
     again = _cli(dsn, schema_name, "archive", "replay", "--failed", "--json")
-    assert again.stdout == ""  # nothing left to replay
+    assert (again.returncode, again.stdout) == (0, "")  # nothing left to replay
+    said = _cli(dsn, schema_name, "archive", "replay", "--failed")
+    assert said.returncode == 0, said.stderr
+    assert said.stdout.startswith("nothing to replay")
     sizes = _cli(dsn, schema_name, "stats", "--json")
     assert [json.loads(line)["size"] for line in sizes.stdout.splitlines()] == [2]
     none = _cli(dsn, schema_name, "archive", "replay")
