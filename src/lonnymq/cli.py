@@ -403,13 +403,19 @@ def _stats(q: Queue, args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(asdict(row)))
         return 0
-    print(f"{'channel':<24} {'size':>8} {'in flight':>9} {'next dequeue':>14}  policy")
-    for row in rows:
-        next_at = row.next_dequeue_at if row.next_dequeue_at is not None else "-"
-        print(
-            f"{row.channel:<24} {row.size:>8} {row.in_flight:>9} {next_at:>14}  "
-            f"{_policy_text(asdict(row.policy))}"
-        )
+    _table(
+        ["channel", "size", "in flight", "next dequeue", "policy"],
+        [
+            [
+                row.channel,
+                str(row.size),
+                str(row.in_flight),
+                "-" if row.next_dequeue_at is None else str(row.next_dequeue_at),
+                _policy_text(asdict(row.policy)),
+            ]
+            for row in rows
+        ],
+    )
     return 0
 
 
@@ -501,15 +507,17 @@ def _policy(q: Queue, args: argparse.Namespace) -> int:
     if args.policy_command == "clear":
         q.channel(args.channel).clear_policy()
         return 0
-    rows = [r for r in q.stats() if args.channel in (None, r.channel)]
-    for row in rows:
-        policy = asdict(row.policy)
-        if all(v is None for v in policy.values()):
-            continue
-        if args.json:
-            print(json.dumps({"channel": row.channel, **policy}))
-        else:
-            print(f"{row.channel:<24} {_policy_text(policy)}")
+    rows = [
+        (r.channel, asdict(r.policy))
+        for r in q.stats()
+        if args.channel in (None, r.channel)
+        and any(v is not None for v in asdict(r.policy).values())
+    ]
+    if args.json:
+        for channel, policy in rows:
+            print(json.dumps({"channel": channel, **policy}))
+    elif rows:
+        _table(["channel", "policy"], [[channel, _policy_text(p)] for channel, p in rows])
     return 0
 
 
