@@ -107,6 +107,12 @@ class AsyncMessage:
         return await self.queue.heartbeat(self, lock_ms=lock_ms, conn=conn)
 
 
+async def _configure_pooled(conn: AsyncConnection[Any]) -> None:
+    """Run the queue's own statements at READ COMMITTED whatever the server's or the role's
+    default (see ``_check_isolation``)."""
+    await conn.execute("SET default_transaction_isolation TO 'read committed'")
+
+
 async def _check_pooled(conn: AsyncConnection[Any]) -> None:
     """Refuse a pooled connection that the server closed while it sat idle (a restart, an
     administrator's kill): the pool discards it and hands out another, so the first call after
@@ -311,6 +317,7 @@ class AsyncQueue:
                     min_size=1,
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
+                    configure=_configure_pooled,
                     check=_check_pooled,
                     reconnect_failed=_regrow,
                     # Give up a failing reconnection soon: the next call starts a fresh one
@@ -351,6 +358,7 @@ class AsyncQueue:
         """Run ``statement`` (on ``conn``, or on a pooled connection) and return its rows (none
         for a statement that returns none); timed in ``operation_stats`` as ``label``."""
         _check_conn(conn)
+        _check_isolation(conn, label)
         started = perf_counter()
         ok = False
         try:
@@ -1024,6 +1032,34 @@ class AsyncQueue:
             return []
         rows = await self._fetch("archive_replay", {"ids": ids}, conn)
         return [_archive.replay_result(row) for row in rows]
+
+
+# The operations whose channel bookkeeping reads other sessions' latest commits: at
+# REPEATABLE READ or SERIALIZABLE they would see an older state of the channel rows and could
+# leave a ready message behind no channel row, where no dequeue finds it.
+_READ_COMMITTED_ONLY = frozenset(
+    {
+        "message_create",
+        "message_create_many",
+        "message_dequeue_many",
+        "message_complete_and_dequeue",
+        "message_defer",
+        "message_defer_many",
+        "schedule_set",
+        "archive_replay",
+    }
+)
+
+
+def _check_isolation(conn: AsyncConnection[Any] | None, label: str) -> None:
+    if conn is None or label not in _READ_COMMITTED_ONLY:
+        return
+    level = conn.isolation_level
+    if level is not None and level != psycopg.IsolationLevel.READ_COMMITTED:
+        raise InvalidArgumentError(
+            f"{label} must run at READ COMMITTED, and conn is at {level.name.replace('_', ' ')}: "
+            "use a connection at READ COMMITTED (the default) for queue operations"
+        )
 
 
 def _check_conn(conn: object) -> None:

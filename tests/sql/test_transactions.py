@@ -10,8 +10,9 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from lonnymq import CreateStatus, Queue
+from lonnymq import CreateStatus, InvalidArgumentError, NewMessage, Queue
 from lonnymq.migrate import latest_version
 from lonnymq.migrate import migrations as all_migrations
 
@@ -275,3 +276,54 @@ def test_archive_can_be_turned_off_again(
     assert message is not None
     message.delete()
     assert archive_rows(admin, schema_name) == []
+
+
+# -- isolation ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "level", [psycopg.IsolationLevel.REPEATABLE_READ, psycopg.IsolationLevel.SERIALIZABLE]
+)
+def test_writes_refuse_a_connection_above_read_committed(
+    queue: Queue, dsn: str, level: psycopg.IsolationLevel
+) -> None:
+    """At REPEATABLE READ a create can miss the deletion of its channel's row by a dequeue
+    that took the channel's last message, and leave its message behind no row, where no
+    dequeue finds it: such a connection is refused before any SQL runs."""
+    queue.create(b"held", channel="a")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    with psycopg.connect(dsn) as conn:
+        conn.isolation_level = level
+        for attempt in (
+            lambda: queue.create(b"x", channel="a", conn=conn),
+            lambda: queue.create_many([NewMessage(b"x", channel="a")], conn=conn),
+            lambda: queue.dequeue(lock_ms=LOCK_MS, conn=conn),
+            lambda: queue.complete_and_dequeue([held], 1, lock_ms=LOCK_MS, conn=conn),
+            lambda: queue.defer_many([held], conn=conn),
+        ):
+            with pytest.raises(InvalidArgumentError, match="must run at READ COMMITTED"):
+                attempt()
+        # Reads are fine at any level.
+        assert [(s.channel, s.in_flight) for s in queue.stats(conn=conn)] == [("a", 1)]
+    held.delete()
+    assert queue.stats() == []
+
+
+def test_pooled_connections_run_at_read_committed_whatever_the_default(
+    schema_name: str, dsn: str
+) -> None:
+    options = conninfo_to_dict(dsn).get("options") or ""
+    at_rr = make_conninfo(
+        dsn, options=f"{options} -c default_transaction_isolation=serializable".strip()
+    )
+    with Queue(at_rr, schema=schema_name) as queue:
+        queue.install()
+        with queue.transaction() as conn:
+            row = conn.execute("SHOW transaction_isolation").fetchone()
+        assert row == ("read committed",)
+        queue.create(b"x", channel="a")
+        taken = queue.dequeue(lock_ms=LOCK_MS)
+        assert taken is not None
+        taken.delete()
+        assert queue.verify() == []

@@ -38,7 +38,16 @@ def statement(schema: str, name: str) -> sql.Composed:
 def connect(conn: Connection, *, autocommit: bool = True) -> Conn:
     """A new connection to the queue's database."""
     try:
-        return psycopg.connect(conn.dsn, autocommit=autocommit, application_name="lonnymq-spark")
+        db = psycopg.connect(conn.dsn, autocommit=True, application_name="lonnymq-spark")
+        try:
+            # The queue's operations run at READ COMMITTED whatever the server's or the role's
+            # default; a snapshot read still asks for REPEATABLE READ by name.
+            db.execute("SET default_transaction_isolation TO 'read committed'")
+            db.autocommit = autocommit
+        except BaseException:
+            db.close()
+            raise
+        return db
     except psycopg.Error as err:
         raise translate(err, schema=conn.schema) from err
 
