@@ -145,13 +145,9 @@ class Worker:
                     name="lonnymq-maint",
                 )
             )
-        event_channel = self._event_channel()
-        if event_channel is not None:
-            helpers.append(
-                threading.Thread(
-                    target=self._listen, args=(event_channel,), daemon=True, name="lonnymq-ev"
-                )
-            )
+        helpers.append(
+            threading.Thread(target=self._listen, daemon=True, name="lonnymq-ev"),
+        )
         for helper in helpers:
             helper.start()
         try:
@@ -460,18 +456,18 @@ class Worker:
             except LonnyMQError as err:
                 log.warning("maintenance failed (%s); trying again later", err)
 
-    def _event_channel(self) -> str | None:
-        try:
-            return self.queue.settings().event_channel
-        except LonnyMQError as err:
-            log.warning("could not read the queue's settings (%s): polling only", err)
-            return None
-
-    def _listen(self, channel: str) -> None:
-        """Wake the dequeue loop on every event of the queue's NOTIFY channel."""
+    def _listen(self) -> None:
+        """Wake the dequeue loop on every event of the queue's NOTIFY channel (read from the
+        settings, again until it can be: a database out of reach at the start does not leave
+        the worker polling for good); without one, return."""
         failures = 0
+        channel: str | None = None
         while not self._stopping.is_set():
             try:
+                if channel is None:
+                    channel = self.queue.settings().event_channel
+                    if channel is None:
+                        return
                 with psycopg.connect(self.queue.dsn, autocommit=True) as conn:
                     conn.execute(_events.listen_statement(channel))
                     failures = 0
@@ -480,7 +476,7 @@ class Worker:
                     while not self._stopping.is_set():
                         for _ in conn.notifies(timeout=0.5, stop_after=1):
                             self._wake.set()
-            except psycopg.Error as err:
+            except (psycopg.Error, LonnyMQError) as err:
                 failures += 1
                 log.warning("event listener lost its connection (%s); reconnecting", err)
                 self._stopping.wait(_policy.reconnect_delay(failures))

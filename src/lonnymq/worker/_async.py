@@ -133,9 +133,7 @@ class AsyncWorker:
         helpers = [asyncio.create_task(self._heartbeats())]
         if self.options.maintenance_ms is not None:
             helpers.append(asyncio.create_task(self._maintain(self.options.maintenance_ms)))
-        event_channel = await self._event_channel()
-        if event_channel is not None:
-            helpers.append(asyncio.create_task(self._listen(event_channel)))
+        helpers.append(asyncio.create_task(self._listen()))
         try:
             await self._loop(until_idle)
         finally:
@@ -418,17 +416,18 @@ class AsyncWorker:
             except LonnyMQError as err:
                 log.warning("maintenance failed (%s); trying again later", err)
 
-    async def _event_channel(self) -> str | None:
-        try:
-            return (await self.queue.settings()).event_channel
-        except LonnyMQError as err:
-            log.warning("could not read the queue's settings (%s): polling only", err)
-            return None
-
-    async def _listen(self, channel: str) -> None:
+    async def _listen(self) -> None:
+        """Wake the dequeue loop on every event of the queue's NOTIFY channel (read from the
+        settings, again until it can be: a database out of reach at the start does not leave
+        the worker polling for good); without one, return."""
         failures = 0
+        channel: str | None = None
         while not self._stopping.is_set():
             try:
+                if channel is None:
+                    channel = (await self.queue.settings()).event_channel
+                    if channel is None:
+                        return
                 conn = await psycopg.AsyncConnection.connect(self.queue.dsn, autocommit=True)
                 async with conn:
                     await conn.execute(_events.listen_statement(channel))
@@ -436,7 +435,7 @@ class AsyncWorker:
                     self._wake.set()
                     async for _ in conn.notifies():
                         self._wake.set()
-            except psycopg.Error as err:
+            except (psycopg.Error, LonnyMQError) as err:
                 failures += 1
                 log.warning("event listener lost its connection (%s); reconnecting", err)
                 await asyncio.sleep(_policy.reconnect_delay(failures))
