@@ -20,6 +20,7 @@ from typing import Any, Self
 
 import psycopg
 from psycopg import Connection, sql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ConnStatus
 from psycopg_pool import ConnectionPool
 
@@ -313,6 +314,7 @@ class Queue:
             if self._closed:
                 raise InvalidArgumentError("this queue was closed")
             if self._pool is None:
+                self._probe()
                 pool = ConnectionPool(
                     self.dsn,
                     min_size=1,
@@ -341,6 +343,20 @@ class Queue:
                     ) from err
                 self._pool = pool
             return self._pool
+
+    def _probe(self) -> None:
+        """One connection before the pool's: a connection string, server, database or login
+        that cannot work fails at once with the server's own words, not after ``pool_timeout``
+        of silent retries."""
+        try:
+            conninfo_to_dict(self.dsn)
+        except psycopg.ProgrammingError as err:
+            raise InvalidArgumentError(f"not a valid connection string: {err}") from err
+        try:
+            probe = Connection.connect(self.dsn, autocommit=True)
+        except psycopg.Error as err:
+            raise translate(err, schema=self._schema) from err
+        probe.close()
 
     def _fetch(self, name: str, params: dict[str, Any], conn: Connection[Any] | None) -> list[Row]:
         """Run the named statement (on ``conn``, or on a pooled connection) and return rows."""

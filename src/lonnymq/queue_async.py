@@ -19,6 +19,7 @@ from typing import Any, Self
 
 import psycopg
 from psycopg import AsyncConnection, sql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ConnStatus
 from psycopg_pool import AsyncConnectionPool
 
@@ -312,6 +313,7 @@ class AsyncQueue:
             if self._closed:
                 raise InvalidArgumentError("this queue was closed")
             if self._pool is None:
+                await self._probe()
                 pool = AsyncConnectionPool(
                     self.dsn,
                     min_size=1,
@@ -340,6 +342,20 @@ class AsyncQueue:
                     ) from err
                 self._pool = pool
             return self._pool
+
+    async def _probe(self) -> None:
+        """One connection before the pool's: a connection string, server, database or login
+        that cannot work fails at once with the server's own words, not after ``pool_timeout``
+        of silent retries."""
+        try:
+            conninfo_to_dict(self.dsn)
+        except psycopg.ProgrammingError as err:
+            raise InvalidArgumentError(f"not a valid connection string: {err}") from err
+        try:
+            probe = await AsyncConnection.connect(self.dsn, autocommit=True)
+        except psycopg.Error as err:
+            raise translate(err, schema=self._schema) from err
+        await probe.close()
 
     async def _fetch(
         self, name: str, params: dict[str, Any], conn: AsyncConnection[Any] | None

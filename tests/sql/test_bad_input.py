@@ -7,6 +7,7 @@ looking at the SQLSTATE (LQ001..LQ006).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -18,9 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from lonnymq import AsyncQueue, CreateStatus, Message, NewMessage, Queue
 from lonnymq.errors import (
+    DatabaseUnavailableError,
     InvalidArgumentError,
     InvalidChannelError,
     InvalidPolicyError,
@@ -711,3 +714,34 @@ def test_fuzz_set_policy_succeeds_or_raises_lonnymq_error(
         stats.policy.release_interval_ms,
         stats.policy.max_size,
     ) == (max_concurrency, release_interval_ms, max_size)
+
+
+@pytest.mark.parametrize("queue_class", [Queue, AsyncQueue])
+def test_a_connection_that_cannot_work_fails_at_once_with_its_cause(
+    dsn: str, queue_class: type[Queue] | type[AsyncQueue]
+) -> None:
+    """Not after pool_timeout (30 s) of silent retries that end in "pool initialization
+    incomplete"."""
+    unknown_db = make_conninfo(dsn, dbname="lonnymq_no_such_database")
+    cases: list[tuple[str, type[Exception], str]] = [
+        ("not a dsn", InvalidArgumentError, "not a valid connection string"),
+        (unknown_db, DatabaseUnavailableError, "lonnymq_no_such_database"),
+    ]
+
+    def stats(target: str) -> None:
+        if queue_class is Queue:
+            with Queue(target, schema="never_installed_here") as queue:
+                queue.stats()
+            return
+
+        async def call() -> None:
+            async with AsyncQueue(target, schema="never_installed_here") as queue:
+                await queue.stats()
+
+        asyncio.run(call())
+
+    for target, error, words in cases:
+        started = time.monotonic()
+        with pytest.raises(error, match=words):
+            stats(target)
+        assert time.monotonic() - started < 10
