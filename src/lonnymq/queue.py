@@ -13,7 +13,7 @@ import select
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import monotonic, perf_counter
 from types import TracebackType
 from typing import Any, Self
@@ -876,7 +876,7 @@ class Queue:
         now = self.now(conn=conn)
         next_at = parsed.next_after(now)
         assert next_at is not None  # parse() refuses expressions that never fire
-        spec = _schedule.ScheduleSpec(name, parsed.expression, target, payload, since=now)
+        spec = replace(spec, since=now)
         params = {"name": name, "spec": spec.encode(), "next_at": next_at}
         rows = self._fetch("schedule_set", params, conn)
         return bool(rows[0][0] == "created")

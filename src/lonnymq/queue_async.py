@@ -12,7 +12,7 @@ import os
 import select
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from time import monotonic, perf_counter
 from types import TracebackType
 from typing import Any, Self
@@ -891,7 +891,7 @@ class AsyncQueue:
         now = await self.now(conn=conn)
         next_at = parsed.next_after(now)
         assert next_at is not None  # parse() refuses expressions that never fire
-        spec = _schedule.ScheduleSpec(name, parsed.expression, target, payload, since=now)
+        spec = replace(spec, since=now)
         params = {"name": name, "spec": spec.encode(), "next_at": next_at}
         rows = await self._fetch("schedule_set", params, conn)
         return bool(rows[0][0] == "created")

@@ -409,8 +409,9 @@ class Worker:
                     self._stopping.wait(wait)
                 next_round = max(next_round + period, time.monotonic())
                 with self._lock:
-                    tasks = [t for t in self._running if not (t.lost or t.abandoned)]
-                tasks = [t for t in tasks if not t.done.is_set()]
+                    tasks = [
+                        t for t in self._running if not (t.lost or t.abandoned or t.done.is_set())
+                    ]
                 if not tasks:
                     continue
                 try:
