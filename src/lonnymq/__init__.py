@@ -25,6 +25,7 @@ from .errors import (
     SchemaNotInstalledError,
     SchemaVersionError,
     StaleMessageError,
+    TransactionConflictError,
 )
 from .events import Event, MessageOutcome
 from .metrics import OperationStats
@@ -88,5 +89,6 @@ __all__ = [
     "SchemaVersionError",
     "Settings",
     "StaleMessageError",
+    "TransactionConflictError",
     "errors",
 ]

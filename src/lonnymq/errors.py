@@ -124,6 +124,12 @@ class DatabaseUnavailableError(DatabaseError):
     """The connection to PostgreSQL failed or was lost; the operation may be retried."""
 
 
+class TransactionConflictError(DatabaseError):
+    """PostgreSQL rolled the transaction back because it conflicted with a concurrent one (a
+    deadlock, SQLSTATE 40P01, or a serialization failure, 40001). Nothing it did was kept:
+    run the whole transaction again."""
+
+
 class PermissionDeniedError(DatabaseError):
     """The connected role may not do this: the queue's owner grants a role the operations of
     one kind with ``Queue.grant(role, "producer" | "worker" | "admin")``. Nothing was changed."""
@@ -148,6 +154,9 @@ _BY_SQLSTATE: dict[str, type[LonnyMQError]] = {
 
 # insufficient_privilege: the role lacks a grant (or tried to reach a table directly).
 _PERMISSION_DENIED = "42501"
+
+# deadlock_detected, serialization_failure: rolled back for a concurrent transaction.
+_CONFLICT = {"40P01", "40001"}
 
 # Missing schema, table or function: the queue was never installed here.
 _NOT_INSTALLED = {"3F000", "42P01", "42883"}
@@ -174,6 +183,12 @@ def translate(err: psycopg.Error, *, schema: str | None = None) -> LonnyMQError:
             f"{message}: the role connected to the queue may not do this. The queue's owner "
             f"grants a role what a producer, worker or admin needs with "
             f"queue.grant(role, kind) or `lonnymq grant ROLE KIND`",
+            sqlstate,
+        )
+    if sqlstate in _CONFLICT:
+        return TransactionConflictError(
+            f"{message}: the transaction was rolled back (a conflict with a concurrent one); "
+            "run it again",
             sqlstate,
         )
     if isinstance(err, psycopg.OperationalError) and sqlstate is None:
