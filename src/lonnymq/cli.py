@@ -593,13 +593,14 @@ def _worker(q: Queue, args: argparse.Namespace) -> int:
         # A scrape reads the queue on its own connection (a second queue): the worker's pool
         # may be async, and a scrape must not take a worker's connection.
         with Queue(q.dsn, schema=q.schema, pool_size=1) as scraper:
-            server = MetricsServer(
-                lambda: metrics.render(
-                    operations[0](),
-                    [(s.channel, s.size, s.in_flight) for s in scraper.stats()],
-                ),
-                port=args.metrics_port,
-            )
+
+            def scrape() -> str:
+                # The channels first (a query, slow under load), the SQL totals last: what the
+                # worker counted is then in the totals too.
+                channels = [(s.channel, s.size, s.in_flight) for s in scraper.stats()]
+                return metrics.render(operations[0], channels)
+
+            server = MetricsServer(scrape, port=args.metrics_port)
             logging.getLogger("lonnymq.worker").info(
                 "metrics on http://127.0.0.1:%s/metrics (every interface listens)", server.port
             )

@@ -106,10 +106,16 @@ class WorkerMetrics:
             return dict(self._counts)
 
     def render(
-        self, operations: list[OperationStats], channels: list[tuple[str, int, int]] | None
+        self,
+        operations: list[OperationStats] | Callable[[], list[OperationStats]],
+        channels: list[tuple[str, int, int]] | None,
     ) -> str:
         """The Prometheus text format: these counters, the SQL ``operations`` and, when given,
-        ``channels`` as ``(name, size, in_flight)``."""
+        ``channels`` as ``(name, size, in_flight)``.
+
+        Pass ``operations`` as a callable (``queue.operation_stats``) to have it read after
+        these counters: every outcome counted then has its SQL call in the totals (a list read
+        before may miss calls made since by a running worker)."""
         out: list[str] = []
 
         def family(name: str, kind: str, help: str) -> None:
@@ -120,6 +126,8 @@ class WorkerMetrics:
             counts = sorted(self._counts.items())
             histograms = sorted((k, list(v)) for k, v in self._histograms.items())
             running = self.running
+        if callable(operations):
+            operations = operations()
         family("lonnymq_worker_messages_total", "counter", "Messages by what the worker did.")
         for (event, channel), n in counts:
             out.append(

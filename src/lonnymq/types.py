@@ -35,13 +35,16 @@ class CreateStatus(StrEnum):
 
 
 class AckStatus(StrEnum):
-    """The outcome of one message in ``delete_many`` / ``defer_many``."""
+    """The outcome of one message in ``delete_many`` / ``defer_many`` / ``heartbeat_many``."""
 
     OK = "ok"
     STALE = "stale"
     """The lock was lost (see :class:`~lonnymq.errors.StaleMessageError`); nothing changed."""
     NOT_FOUND = "not_found"
     """The message no longer exists."""
+    BUSY = "busy"
+    """``heartbeat_many`` only: another transaction holds the message's row right now (your
+    own, finishing it, say), so its lock was not extended this time; nothing changed."""
 
 
 class RoleKind(StrEnum):

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -17,7 +18,7 @@ from psycopg.conninfo import make_conninfo
 
 from lonnymq import AckStatus, AsyncMessage, AsyncQueue, Message, NewMessage, Queue
 from lonnymq.errors import InvalidArgumentError
-from lonnymq.metrics import MetricsServer, WorkerMetrics
+from lonnymq.metrics import MetricsServer, OperationStats, WorkerMetrics
 from lonnymq.worker import AsyncWorker, Backoff, Worker, WorkerStats
 from lonnymq.worker._policy import reconnect_delay
 
@@ -102,7 +103,7 @@ def test_metrics_endpoint_serves_counters_histograms_and_depth(
     ).run(handle_signals=False, until_idle=True)
     queue.create(b"later", channel="m2", dequeue_at=queue.now() + 3_600_000)
     stats = [(s.channel, s.size, s.in_flight) for s in queue.stats()]
-    server = MetricsServer(lambda: metrics.render(queue.operation_stats(), stats), port=0)
+    server = MetricsServer(lambda: metrics.render(queue.operation_stats, stats), port=0)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as response:
             body = response.read().decode()
@@ -115,6 +116,26 @@ def test_metrics_endpoint_serves_counters_histograms_and_depth(
     assert 'lonnymq_handler_seconds_count{channel="m1"} 1' in body
     assert 'lonnymq_channel_size{channel="m2"} 1' in body
     assert 'lonnymq_sql_calls_total{operation="message_dequeue_many"}' in body
+
+
+def test_metrics_render_reads_sql_totals_after_the_counters() -> None:
+    # A scrape that read the SQL totals first, then (after a slow query) the counters, showed a
+    # worker's completions without the calls that made them (a CLI test failed so under load).
+    metrics = WorkerMetrics()
+    calls: list[OperationStats] = []
+
+    def operations() -> list[OperationStats]:
+        # A worker finishing a message while the scrape runs: its call, then its count.
+        calls.append(OperationStats("message_complete_and_dequeue", len(calls) + 1, 0, 0.001))
+        metrics.count("completed", "c")
+        return list(calls)
+
+    body = metrics.render(operations, None)
+    assert 'lonnymq_sql_calls_total{operation="message_complete_and_dequeue"} 1' in body
+    assert "completed" not in body  # counted after the totals were read: next scrape
+    again = metrics.render(operations, None)
+    assert 'event="completed"} 1' in again
+    assert 'lonnymq_sql_calls_total{operation="message_complete_and_dequeue"} 2' in again
 
 
 @pytest.mark.parametrize(
@@ -149,6 +170,25 @@ def test_reconnect_delays_start_at_a_tenth_of_a_second_and_double_up_to_30() -> 
 # -- heartbeats and slots ------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _competitor(other: Queue) -> Iterator[list[int]]:
+    """Another consumer dequeuing every 50 ms while the block runs; yields the ids it took."""
+    taken: list[int] = []
+    stop = threading.Event()
+
+    def compete() -> None:
+        while not stop.wait(0.05):
+            taken.extend(m.id for m in other.dequeue_many(10, lock_ms=60_000))
+
+    thread = threading.Thread(target=compete)
+    thread.start()
+    try:
+        yield taken
+    finally:
+        stop.set()
+        thread.join()
+
+
 @pytest.mark.parametrize("use_async", [False, True], ids=["Worker", "AsyncWorker"])
 def test_heartbeats_do_not_wait_for_handlers_holding_the_pool(
     dsn: str, make_queue: Callable[..., Queue], use_async: bool
@@ -158,17 +198,7 @@ def test_heartbeats_do_not_wait_for_handlers_holding_the_pool(
     still renew the locks, so another consumer never gets those messages while they run."""
     queue = make_queue(pool_size=2)
     queue.create_many([NewMessage(b"x", channel=f"c{i}") for i in range(2)])
-    other = make_queue(install=False)
-    taken_by_other: list[int] = []
-    stop = threading.Event()
-
-    def compete() -> None:
-        while not stop.wait(0.05):
-            taken_by_other.extend(m.id for m in other.dequeue_many(10, lock_ms=60_000))
-
-    competitor = threading.Thread(target=compete)
-    competitor.start()
-    try:
+    with _competitor(make_queue(install=False)) as taken_by_other:
         if use_async:
 
             async def main() -> WorkerStats:
@@ -192,9 +222,6 @@ def test_heartbeats_do_not_wait_for_handlers_holding_the_pool(
 
             worker = Worker(queue, handler, concurrency=2, lock_ms=600, idle_ms=50)
             stats = worker.run(handle_signals=False, until_idle=True)
-    finally:
-        stop.set()
-        competitor.join()
     assert taken_by_other == []
     assert (stats.lost, stats.retried) == (0, 0)
     assert queue.stats() == []
@@ -300,3 +327,65 @@ def test_heartbeat_many_reports_each_message(queue: Queue) -> None:
     assert queue.heartbeat_many([], lock_ms=30_000) == []
     with pytest.raises(InvalidArgumentError):
         queue.heartbeat_many([again], lock_ms=0)
+
+
+def test_heartbeat_many_skips_a_row_another_transaction_holds(dsn: str, queue: Queue) -> None:
+    """A message finished in a transaction not yet committed is 'busy' to heartbeat_many,
+    which renews the others at once instead of waiting for that transaction."""
+    queue.create_many([NewMessage(b"a"), NewMessage(b"b")])
+    first, second = queue.dequeue_many(2, lock_ms=60_000)
+    with psycopg.connect(dsn) as finishing, psycopg.connect(dsn, autocommit=True) as beat:
+        first.delete(conn=finishing)  # holds first's row until it commits
+        beat.execute("SET lock_timeout = '5s'")  # waiting would fail the call, not hang
+        statuses = queue.heartbeat_many([first, second], lock_ms=120_000, conn=beat)
+        assert statuses == [AckStatus.BUSY, AckStatus.OK]
+        finishing.commit()
+    assert queue.heartbeat_many([first, second], lock_ms=120_000) == [
+        AckStatus.NOT_FOUND,
+        AckStatus.OK,
+    ]
+    assert queue.stats()[0].in_flight == 1
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["Worker", "AsyncWorker"])
+def test_a_handler_finishing_in_its_own_transaction_does_not_stop_the_others_heartbeats(
+    dsn: str, make_queue: Callable[..., Queue], use_async: bool
+) -> None:
+    """Handler "a" finishes its message in its own transaction and keeps working before the
+    commit; handler "b" works as long. The round of heartbeats must not wait for a's row:
+    b's lock (shorter than its work) is renewed, and no other consumer gets b's message."""
+    queue = make_queue()
+    queue.create_many([NewMessage(b"a", channel="a"), NewMessage(b"b", channel="b")])
+    with _competitor(make_queue(install=False)) as taken_by_other:
+        if use_async:
+
+            async def main() -> WorkerStats:
+                async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+
+                    async def handler(message: AsyncMessage) -> None:
+                        if message.content == b"a":
+                            async with aqueue.transaction() as conn:
+                                await message.delete(conn=conn)
+                                await conn.execute("SELECT pg_sleep(2)")  # more work
+                        else:
+                            await asyncio.sleep(2)
+
+                    worker = AsyncWorker(aqueue, handler, concurrency=2, lock_ms=900, idle_ms=50)
+                    return await worker.run(handle_signals=False, until_idle=True)
+
+            stats = asyncio.run(main())
+        else:
+
+            def handler(message: Message) -> None:
+                if message.content == b"a":
+                    with queue.transaction() as conn:
+                        message.delete(conn=conn)
+                        conn.execute("SELECT pg_sleep(2)")  # more work
+                else:
+                    time.sleep(2)
+
+            worker = Worker(queue, handler, concurrency=2, lock_ms=900, idle_ms=50)
+            stats = worker.run(handle_signals=False, until_idle=True)
+    assert taken_by_other == []
+    assert stats.lost == 0
+    assert queue.stats() == []

@@ -43,7 +43,16 @@ from ..queue import Message, Queue
 from ..types import AckStatus
 from . import _policy
 from ._async import AsyncWorker
-from ._policy import Action, Backoff, Decision, WorkerOptions, WorkerStats, error_text
+from ._policy import (
+    REPORT_TRIES,
+    REPORT_WAIT_S,
+    Action,
+    Backoff,
+    Decision,
+    WorkerOptions,
+    WorkerStats,
+    error_text,
+)
 
 __all__ = ["AsyncWorker", "Backoff", "Worker", "WorkerStats", "error_text"]
 
@@ -51,15 +60,18 @@ log = logging.getLogger("lonnymq.worker")
 
 Handler = Callable[[Message], object]
 
-REPORT_TRIES = 5
-"""Attempts at reporting an outcome while the connection is being re-established."""
-
 
 @dataclass(eq=False)
 class _Task:
     message: Message
     lost: bool = False
     abandoned: bool = False
+    # Set once its handler has returned (or none runs): its outcome is being reported, so the
+    # end of the grace period must not give the message back.
+    reporting: bool = False
+    # A message taken while stopping, being given back: not renewed (once its give-back has
+    # committed, a renewal would call its lock lost).
+    giving_back: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -109,6 +121,10 @@ class Worker:
         self.metrics = metrics or WorkerMetrics()
         self.stats = WorkerStats()
         self._stopping = threading.Event()
+        # stop() calls, all told and as of the end of the last run: a stop() asked for before
+        # run() is kept, one left over from the previous run is not.
+        self._stops = 0
+        self._stops_seen = 0
         self._wake = threading.Event()
         self._lock = threading.Lock()
         # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
@@ -120,7 +136,9 @@ class Worker:
     # -- control -------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask the worker to stop: no more dequeues; running handlers get ``grace_s``."""
+        """Ask the worker to stop: no more dequeues; running handlers get ``grace_s``. Asked
+        before :meth:`run`, it makes that run return at once."""
+        self._stops += 1
         self._stopping.set()
         self._wake.set()
 
@@ -133,7 +151,11 @@ class Worker:
         dead = self.options.dead_letter_channel
         if dead is not None:
             _policy.check_dead_letter_channel(dead, self.queue.channel(dead).stats())
-        self._stopping.clear()
+        if self._stops == self._stops_seen:
+            self._stopping.clear()
+            if self._stops != self._stops_seen:
+                self._stopping.set()  # a stop() that came in between
+        self.stats = WorkerStats()  # this run's (a later run does not add to what it returned)
         previous = self._install_signals() if handle_signals else {}
         helpers = [threading.Thread(target=self._heartbeats, daemon=True, name="lonnymq-hb")]
         if self.options.maintenance_ms is not None:
@@ -155,6 +177,7 @@ class Worker:
         finally:
             self._stopping.set()
             self._shutdown()
+            self._stops_seen = self._stops
             self._wake.set()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -249,8 +272,11 @@ class Worker:
                     # a message taken after the stop is given back, never left unlisted.
                     chained = following is not None and not self._stopping.is_set()
                     done = task
-                    if following is not None and chained:
+                    if following is not None:
                         task = _Task(following)
+                        # One to give back is listed too, as being reported: _shutdown waits
+                        # for it rather than return (or give it back a second time).
+                        task.reporting = task.giving_back = not chained
                         self._running[task] = None
                     self.metrics.running = len(self._running)
                 done.done.set()
@@ -259,7 +285,13 @@ class Worker:
             if following is None:
                 return
             if not chained:
-                self._give_back(following, "taken while stopping")
+                try:
+                    self._give_back(following, "taken while stopping")
+                finally:
+                    with self._lock:
+                        self._running.pop(task, None)
+                        self.metrics.running = len(self._running)
+                    task.done.set()
                 return
             self.metrics.count("dequeued", following.channel)
 
@@ -279,9 +311,24 @@ class Worker:
                 except Exception as exc:  # the handler's failure is the message's outcome
                     error = exc
                     self.metrics.count("handler_error", message.channel)
+                except BaseException as exc:  # SystemExit, KeyboardInterrupt: a failure, and stop
+                    error = exc
+                    self.metrics.count("handler_error", message.channel)
+                    with self._lock:
+                        # A handler given back at the end of a run has nothing to stop.
+                        abandoned = task.abandoned
+                    if not abandoned:
+                        log.error(
+                            "message %s: its handler raised %r: stopping the worker",
+                            message.id,
+                            exc,
+                            extra=_fields(message),
+                        )
+                        self.stop()
                 self.metrics.observe(message.channel, time.perf_counter() - started)
                 with self._lock:
                     skip = task.abandoned or task.lost
+                    task.reporting = not skip
                 if skip:
                     log.warning(
                         "message %s: handler ended after its lock was %s; result not reported",
@@ -301,6 +348,9 @@ class Worker:
                         error,
                         extra=_fields(message),
                     )
+            else:
+                with self._lock:
+                    task.reporting = True
             return self._apply_with_retries(message, decision)
         except StaleMessageError:
             # The handler may have deferred or finished the message itself.
@@ -345,7 +395,14 @@ class Worker:
                 message.fail(error=f"not a schedule driver: {err}")
                 self._count("failed", message.channel)
                 return None
-            if firing.fire_at is not None:
+            if firing.full:
+                log.warning(
+                    "schedule driver %s: the task's channel is full; trying again at %s",
+                    message.id,
+                    firing.next_at,
+                    extra=_fields(message),
+                )
+            elif firing.fire_at is not None:
                 self._count("fired", message.channel)
             return None
         if action is Action.COMPLETE and self._stopping.is_set():
@@ -410,7 +467,9 @@ class Worker:
                 next_round = max(next_round + period, time.monotonic())
                 with self._lock:
                     tasks = [
-                        t for t in self._running if not (t.lost or t.abandoned or t.done.is_set())
+                        t
+                        for t in self._running
+                        if not (t.lost or t.abandoned or t.giving_back or t.done.is_set())
                     ]
                 if not tasks:
                     continue
@@ -483,7 +542,8 @@ class Worker:
                 self._stopping.wait(_policy.reconnect_delay(failures))
 
     def _shutdown(self) -> None:
-        """Give running handlers ``grace_s`` to finish, then give their messages back."""
+        """Give running handlers ``grace_s`` to finish, then give their messages back; wait
+        (at most ``REPORT_WAIT_S``) for the outcomes of those that did to be reported."""
         deadline = time.monotonic() + self.options.grace_s
         while time.monotonic() < deadline:
             with self._lock:
@@ -491,11 +551,18 @@ class Worker:
                     return
             time.sleep(0.02)
         with self._lock:
-            tasks = [t for t in self._running if not t.done.is_set()]
+            # A run whose handler has returned is reporting (perhaps retrying after a lost
+            # connection): giving its message back too would race the report, and when the
+            # give-back won, the finished work would run again.
+            tasks = [t for t in self._running if not t.done.is_set() and not t.reporting]
             for task in tasks:
                 task.abandoned = True
+            reporting = [t for t in self._running if t.reporting]
         for task in tasks:
             self._give_back(task.message, "its handler outlived the grace period")
+        wait_until = time.monotonic() + REPORT_WAIT_S
+        for task in reporting:
+            task.done.wait(max(0.0, wait_until - time.monotonic()))
 
     def _give_back(self, message: Message, why: str) -> None:
         """Unlock a message this worker will not run (no attempt is lost: defer keeps it)."""

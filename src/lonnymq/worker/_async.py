@@ -31,7 +31,15 @@ from ..metrics import WorkerMetrics
 from ..queue_async import AsyncMessage, AsyncQueue
 from ..types import AckStatus
 from . import _policy
-from ._policy import Action, Backoff, Decision, WorkerOptions, WorkerStats
+from ._policy import (
+    REPORT_TRIES,
+    REPORT_WAIT_S,
+    Action,
+    Backoff,
+    Decision,
+    WorkerOptions,
+    WorkerStats,
+)
 
 __all__ = ["AsyncWorker"]
 
@@ -46,6 +54,9 @@ class _Run:
     task: asyncio.Task[None] | None = None
     lost: bool = False
     abandoned: bool = False
+    # Set once its handler has returned (or none runs): its outcome is being reported, so the
+    # end of the grace period must not give the message back.
+    reporting: bool = False
 
 
 def _fields(message: AsyncMessage) -> dict[str, object]:
@@ -96,6 +107,10 @@ class AsyncWorker:
         self.metrics = metrics or WorkerMetrics()
         self.stats = WorkerStats()
         self._stopping = asyncio.Event()
+        # stop() calls, all told and as of the end of the last run: a stop() asked for before
+        # run() is kept, one left over from the previous run is not.
+        self._stops = 0
+        self._stops_seen = 0
         self._wake = asyncio.Event()
         # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
         # reporting when its message is taken again, as a second run of the same id.
@@ -105,7 +120,9 @@ class AsyncWorker:
         self._clock_offset_ms = 0
 
     def stop(self) -> None:
-        """Ask the worker to stop (call it from the worker's event loop)."""
+        """Ask the worker to stop (call it from the worker's event loop). Asked before
+        :meth:`run`, it makes that run return at once."""
+        self._stops += 1
         self._stopping.set()
         self._wake.set()
 
@@ -118,7 +135,9 @@ class AsyncWorker:
         dead = self.options.dead_letter_channel
         if dead is not None:
             _policy.check_dead_letter_channel(dead, await self.queue.channel(dead).stats())
-        self._stopping.clear()
+        if self._stops == self._stops_seen:
+            self._stopping.clear()
+        self.stats = WorkerStats()  # this run's (a later run does not add to what it returned)
         loop = asyncio.get_running_loop()
         signals = []
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -139,6 +158,7 @@ class AsyncWorker:
         finally:
             self._stopping.set()
             await self._shutdown()
+            self._stops_seen = self._stops
             for helper in helpers:
                 helper.cancel()
             for helper in helpers:
@@ -254,7 +274,23 @@ class AsyncWorker:
                 except Exception as exc:  # the handler's failure is the message's outcome
                     error = exc
                     self.metrics.count("handler_error", message.channel)
+                except BaseException as exc:
+                    current = asyncio.current_task()
+                    if run.abandoned or (current is not None and current.cancelling()):
+                        raise  # this run itself is being cancelled
+                    # SystemExit, KeyboardInterrupt, a stray CancelledError raised by the
+                    # handler: the message's failure, and the worker stops.
+                    error = exc
+                    self.metrics.count("handler_error", message.channel)
+                    log.error(
+                        "message %s: its handler raised %r: stopping the worker",
+                        message.id,
+                        exc,
+                        extra=_fields(message),
+                    )
+                    self.stop()
                 self.metrics.observe(message.channel, time.perf_counter() - started)
+                run.reporting = not (run.abandoned or run.lost)
                 if run.abandoned or run.lost:
                     log.warning(
                         "message %s: handler ended after its lock was %s; result not reported",
@@ -274,6 +310,8 @@ class AsyncWorker:
                         error,
                         extra=_fields(message),
                     )
+            else:
+                run.reporting = True
             return await self._apply_with_retries(message, decision)
         except StaleMessageError:
             log.info(
@@ -293,11 +331,11 @@ class AsyncWorker:
     async def _apply_with_retries(
         self, message: AsyncMessage, decision: Decision
     ) -> AsyncMessage | None:
-        for attempt in range(1, 6):
+        for attempt in range(1, REPORT_TRIES + 1):
             try:
                 return await self._apply(message, decision)
             except DatabaseError as err:
-                if attempt == 5:
+                if attempt == REPORT_TRIES:
                     raise
                 delay = _policy.reconnect_delay(attempt)
                 log.warning("report failed (%s); trying again in %.1fs", err, delay)
@@ -317,7 +355,14 @@ class AsyncWorker:
                 await message.fail(error=f"not a schedule driver: {err}")
                 self._count("failed", message.channel)
                 return None
-            if firing.fire_at is not None:
+            if firing.full:
+                log.warning(
+                    "schedule driver %s: the task's channel is full; trying again at %s",
+                    message.id,
+                    firing.next_at,
+                    extra=_fields(message),
+                )
+            elif firing.fire_at is not None:
                 self._count("fired", message.channel)
             return None
         if action is Action.COMPLETE and self._stopping.is_set():
@@ -441,17 +486,30 @@ class AsyncWorker:
                 await asyncio.sleep(_policy.reconnect_delay(failures))
 
     async def _shutdown(self) -> None:
+        """Give running handlers ``grace_s`` to finish, then give their messages back; wait
+        (at most ``REPORT_WAIT_S``) for the outcomes of those that did to be reported."""
         runs = list(self._running)
         tasks = [r.task for r in runs if r.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=self.options.grace_s)
+        reporting: list[asyncio.Task[None]] = []
         for run in [r for r in self._running if r.task is not None]:
             assert run.task is not None
             if run.task.done():
                 continue
+            if run.reporting:
+                # Its handler has returned: giving the message back too would race the report
+                # (perhaps retrying after a lost connection), and the finished work could run
+                # again.
+                reporting.append(run.task)
+                continue
             run.abandoned = True
             await self._give_back(run.message, "its handler outlived the grace period")
             run.task.cancel()
+        if reporting:
+            _, late = await asyncio.wait(reporting, timeout=REPORT_WAIT_S)
+            for task in late:
+                task.cancel()
 
     async def _give_back(self, message: AsyncMessage, why: str) -> None:
         """Unlock a message this worker will not run (defer keeps its attempt count)."""

@@ -260,6 +260,13 @@ def sleep_ms(retry_at: int | None, now_ms: int, idle_ms: int) -> int:
     return max(0, min(idle_ms, retry_at - now_ms))
 
 
+REPORT_TRIES = 5
+"""Attempts at reporting an outcome while the connection is being re-established."""
+
+REPORT_WAIT_S = 30.0
+"""How long a stopping worker waits, after the grace period, for outcomes being reported."""
+
+
 def reconnect_delay(failures: int) -> float:
     """Seconds to wait after ``failures`` consecutive lost connections (0.1 s doubling, at most
     30 s)."""
@@ -283,6 +290,9 @@ class Renewal(StrEnum):
     """The run's handler gave the message back and this worker took it again."""
     GONE = "gone"
     """The message no longer exists (its handler may have finished it itself)."""
+    BUSY = "busy"
+    """Another transaction holds the message's row (its handler finishing it, most likely):
+    not renewed this round."""
 
 
 def renewal(status: AckStatus, held: _Claim, running: Iterable[_Claim]) -> Renewal:
@@ -291,6 +301,8 @@ def renewal(status: AckStatus, held: _Claim, running: Iterable[_Claim]) -> Renew
         return Renewal.RENEWED
     if status is AckStatus.NOT_FOUND:
         return Renewal.GONE
+    if status is AckStatus.BUSY:
+        return Renewal.BUSY
     if any(r.id == held.id and r.num_attempts > held.num_attempts for r in running):
         return Renewal.YIELDED
     return Renewal.LOST

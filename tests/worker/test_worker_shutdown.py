@@ -1,0 +1,243 @@
+"""Stopping a worker: what its handlers hold is finished or given back, never both."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from lonnymq import AsyncMessage, AsyncQueue, Message, Queue
+from lonnymq.worker import AsyncWorker, Worker, WorkerStats
+
+GRACE_S = 0.5
+
+
+class _Runner:
+    """A Worker or AsyncWorker run in a thread, stopped from the test's thread."""
+
+    def __init__(self, dsn: str, queue: Queue, handler: Callable[[Any], None], use_async: bool):
+        self.stats: list[WorkerStats] = []
+        self.errors: list[BaseException] = []
+        self._ready = threading.Event()
+        self._stop: Callable[[], None] = lambda: None
+        if use_async:
+            target = self._async_target(dsn, queue.schema, handler)
+        else:
+            worker = Worker(queue, handler, concurrency=1, grace_s=GRACE_S, idle_ms=50)
+            self._stop = worker.stop
+
+            def target() -> None:
+                self._ready.set()
+                self.stats.append(worker.run(handle_signals=False))
+
+        self.thread = threading.Thread(target=self._guarded(target))
+
+    def _guarded(self, target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:  # reported by the test
+                self.errors.append(exc)
+
+        return run
+
+    def _async_target(
+        self, dsn: str, schema: str, handler: Callable[[Any], None]
+    ) -> Callable[[], None]:
+        async def main() -> None:
+            async with AsyncQueue(dsn, schema=schema) as aqueue:
+                worker = AsyncWorker(aqueue, handler, concurrency=1, grace_s=GRACE_S, idle_ms=50)
+                loop = asyncio.get_running_loop()
+
+                def stop() -> None:
+                    loop.call_soon_threadsafe(worker.stop)
+
+                self._stop = stop
+                self._ready.set()
+                self.stats.append(await worker.run(handle_signals=False))
+
+        return lambda: asyncio.run(main())
+
+    def start(self) -> None:
+        self.thread.start()
+        assert self._ready.wait(30)
+
+    def stop(self) -> None:
+        self._stop()
+
+    def join(self) -> WorkerStats:
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive()
+        assert self.errors == []
+        return self.stats[0]
+
+
+def _waiting_reports(admin: psycopg.Connection[Any]) -> list[int]:
+    """Backends waiting for a lock in a statement that finishes a message."""
+    rows = admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND (query LIKE '%message_complete_and_dequeue%' OR query LIKE '%message_delete%')"
+    ).fetchall()
+    return [row[0] for row in rows]
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["Worker", "AsyncWorker"])
+def test_a_run_reporting_when_the_grace_period_ends_is_not_given_back(
+    dsn: str, queue: Queue, admin: psycopg.Connection[Any], use_async: bool
+) -> None:
+    """The handler has returned; its report waits for the message's row (held by another
+    session) and fails a few times, so it is between retries when the grace period ends.
+    The message must be finished by that report, not given back as well: a give-back that
+    got the row first would make the finished work run again."""
+    queue.create(b"work")
+    calls: list[int] = []
+    released = threading.Event()
+
+    def handler(message: Message | AsyncMessage) -> None:
+        calls.append(message.id)
+        assert released.wait(30)
+
+    runner = _Runner(dsn, queue, handler, use_async)
+    runner.start()
+    with psycopg.connect(dsn) as holder:
+        deadline = time.monotonic() + 30
+        while not calls:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        holder.execute(
+            sql.SQL("SELECT 1 FROM {}.message FOR UPDATE").format(sql.Identifier(queue.schema))
+        )
+        released.set()  # the handler returns; its report now waits for the row
+        while not _waiting_reports(admin):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        runner.stop()
+        stopped = time.monotonic()
+        # Make the report fail (as on a lost connection) until the grace period has ended:
+        # it then sleeps between retries (0.1, 0.2, 0.4 s...) while the worker decides.
+        while time.monotonic() < stopped + GRACE_S + 0.05:
+            for pid in _waiting_reports(admin):
+                admin.execute("SELECT pg_cancel_backend(%s)", (pid,))
+            time.sleep(0.005)
+        time.sleep(1.0)
+        holder.commit()
+    stats = runner.join()
+    assert calls == [calls[0]]
+    assert (stats.completed, stats.given_back) == (1, 0)
+    assert queue.stats() == []  # finished, not back in the queue
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["Worker", "AsyncWorker"])
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt])
+def test_a_handler_raising_systemexit_or_keyboardinterrupt_stops_the_worker_cleanly(
+    dsn: str, queue: Queue, use_async: bool, raised: type[BaseException]
+) -> None:
+    """Its message is not left locked (it is retried like any failure) and the worker stops
+    gracefully, run() returning its stats instead of dying."""
+    queue.create(b"work")
+
+    def handler(message: Message | AsyncMessage) -> None:
+        raise raised()
+
+    runner = _Runner(dsn, queue, handler, use_async)
+    runner.start()
+    stats = runner.join()  # the worker stopped by itself
+    assert stats.retried == 1
+    [channel] = queue.stats()
+    assert (channel.size, channel.in_flight) == (1, 0)
+
+
+@pytest.mark.parametrize("use_async", [False, True], ids=["Worker", "AsyncWorker"])
+def test_stop_before_run_makes_the_run_return_at_once(
+    dsn: str, queue: Queue, use_async: bool
+) -> None:
+    queue.create(b"work")
+    if use_async:
+
+        async def main() -> WorkerStats:
+            async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+                worker = AsyncWorker(aqueue, lambda m: None, idle_ms=50)
+                worker.stop()
+                return await asyncio.wait_for(worker.run(handle_signals=False), 10)
+
+        stats = asyncio.run(main())
+    else:
+        worker = Worker(queue, lambda m: None, idle_ms=50)
+        worker.stop()
+        done: list[WorkerStats] = []
+        thread = threading.Thread(target=lambda: done.append(worker.run(handle_signals=False)))
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+        stats = done[0]
+        # A later run is not stopped by that old request.
+        assert worker.run(handle_signals=False, until_idle=True).completed == 1
+    assert stats.completed == 0
+
+
+def test_a_handler_given_back_that_raises_later_does_not_stop_the_next_run(
+    queue: Queue,
+) -> None:
+    """A handler outlives the grace period (its message is given back), then raises SystemExit
+    after the run has ended: that is not a stop for the worker's next run."""
+    queue.create(b"work")
+    calls: list[int] = []
+
+    def handler(message: Message) -> None:
+        calls.append(message.id)
+        if len(calls) == 1:
+            time.sleep(1.0)
+            raise SystemExit
+
+    worker = Worker(queue, handler, concurrency=1, grace_s=0.2, idle_ms=50)
+    first = threading.Thread(target=lambda: worker.run(handle_signals=False))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not calls:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker.stop()
+    first.join(timeout=30)
+    assert not first.is_alive()
+    time.sleep(1.3)  # the abandoned handler has raised by now
+    stats = worker.run(handle_signals=False, until_idle=True)
+    assert (stats.completed, len(calls)) == (1, 2)
+
+
+class _StoppingQueue(Queue):
+    """A queue whose worker is told to stop while it finishes one message and takes the next
+    (the next is then given back), and whose give-back is slow."""
+
+    worker: Worker | None = None
+
+    def complete_and_dequeue(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.worker is not None
+        self.worker.stop()
+        return super().complete_and_dequeue(*args, **kwargs)
+
+    def defer(self, *args: Any, **kwargs: Any) -> None:
+        time.sleep(0.5)
+        super().defer(*args, **kwargs)
+        time.sleep(0.5)  # heartbeats run meanwhile: the message is no longer held
+
+
+def test_run_returns_only_once_a_message_taken_while_stopping_is_given_back(
+    dsn: str, queue: Queue
+) -> None:
+    queue.create(b"first", channel="a")
+    queue.create(b"second", channel="a")
+    with _StoppingQueue(dsn, schema=queue.schema) as stopping:
+        worker = Worker(
+            stopping, lambda m: None, concurrency=1, grace_s=5, idle_ms=50, heartbeat_ms=100
+        )
+        stopping.worker = worker
+        stats = worker.run(handle_signals=False)
+        [channel] = queue.stats()
+    assert (stats.completed, stats.given_back, stats.lost) == (1, 1, 0)
+    assert (channel.size, channel.in_flight) == (1, 0)  # back, not left locked
