@@ -48,7 +48,9 @@ PHRASES = [
 
 
 def convert(source: str) -> str:
-    text = source
+    # A blocking call the async API runs in a thread is a plain call in the sync one:
+    # ``await asyncio.to_thread(f, a)`` becomes ``f(a)``.
+    text = re.sub(r"await asyncio\.to_thread\(([\w.]+), ", r"\1(", source)
     for old, new in WORDS:
         text = re.sub(rf"\b{re.escape(old)}\b", new, text)
     for old, new in PHRASES:

@@ -313,6 +313,9 @@ class AsyncQueue:
             if self._closed:
                 raise InvalidArgumentError("this queue was closed")
             if self._pool is None:
+                if self._dsn is None:
+                    # Starting the embedded server takes seconds: off the event loop, if any.
+                    self._dsn = await asyncio.to_thread(resolve_dsn, None)
                 await self._probe()
                 pool = AsyncConnectionPool(
                     self.dsn,
@@ -941,15 +944,25 @@ class AsyncQueue:
         self, driver: AsyncMessage, spec: ScheduleSpec, conn: AsyncConnection[Any]
     ) -> Firing:
         last_fired = _schedule.decode_state(driver.state)
-        firing = _schedule.plan_firing(spec, last_fired, await self.now(conn=conn))
+        now = await self.now(conn=conn)
+        firing = _schedule.plan_firing(spec, last_fired, now)
         if firing.fire_at is not None:
-            await self.create(
+            task = await self.create(
                 spec.content,
                 channel=spec.channel,
                 dedup_key=_schedule.task_dedup_key(spec.name, firing.fire_at),
                 conn=conn,
             )
-            last_fired = firing.fire_at
+            if task.status is CreateStatus.DROPPED:
+                # Not fired: the same time stays due, tried again soon (not at the next time:
+                # a full channel is a moment's backpressure, not a reason to skip a period).
+                firing = replace(
+                    firing,
+                    next_at=min(firing.next_at, now + _schedule.FULL_RETRY_MS),
+                    full=True,
+                )
+            else:
+                last_fired = firing.fire_at
         await self.defer(
             driver,
             dequeue_at=firing.next_at,

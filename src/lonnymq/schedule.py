@@ -122,12 +122,10 @@ class Cron:
             return False
         by_date = day.day in self.days
         by_weekday = day.isoweekday() % 7 in self.weekdays
-        if self.any_day and self.any_weekday:
-            return True
-        if self.any_day:
-            return by_weekday
-        if self.any_weekday:
-            return by_date
+        # As cron has it: when either day field starts with "*" (a step like "*/2" too), a
+        # day must match both; when neither does, either.
+        if self.any_day or self.any_weekday:
+            return by_date and by_weekday
         return by_date or by_weekday
 
     def _times(self, day: date, *, reverse: bool) -> list[datetime]:
@@ -269,10 +267,13 @@ def same_spec(data: bytes, spec: ScheduleSpec) -> bool:
 @dataclass(frozen=True, slots=True)
 class Firing:
     """What processing a driver does: fire for ``fire_at`` (``None``: nothing due) and come
-    back at ``next_at``."""
+    back at ``next_at``. ``full``: the task's channel was at its ``max_size``, so nothing was
+    created and ``fire_at`` is still due: the driver comes back at ``next_at`` (in a second at
+    most) to try again, then for the latest time due."""
 
     fire_at: int | None
     next_at: int
+    full: bool = False
 
 
 def plan_firing(spec: ScheduleSpec, last_fired: int | None, now: int) -> Firing:
@@ -284,6 +285,10 @@ def plan_firing(spec: ScheduleSpec, last_fired: int | None, now: int) -> Firing:
     fire_at = due if due is not None and due >= floor else None
     next_at = cron.next_after(now)
     return Firing(fire_at=fire_at, next_at=next_at if next_at is not None else now + 86_400_000)
+
+
+FULL_RETRY_MS = 1_000
+"""How soon a driver whose task's channel was full comes back to try again."""
 
 
 def task_dedup_key(name: str, fire_at: int) -> str:

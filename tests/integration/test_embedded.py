@@ -92,3 +92,54 @@ def test_a_killed_user_does_not_keep_the_server_running(tmp_path: Path) -> None:
         server = _postmaster_pid(data)
         if server is not None and _running(server):
             os.kill(server, signal.SIGTERM)
+
+
+LOOP_TICKS = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from lonnymq import AsyncQueue
+
+    async def main():
+        gaps = []
+        started = time.monotonic()
+        done = asyncio.Event()
+
+        async def tick():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)  # the ticker is running
+        async with AsyncQueue() as queue:
+            await queue.install()
+        elapsed = time.monotonic() - started
+        done.set()
+        await ticker
+        print(f"{elapsed:.3f} {max(gaps):.3f}", flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_an_async_queue_starts_the_embedded_server_off_the_event_loop(tmp_path: Path) -> None:
+    """With no DSN the first call starts the embedded server (seconds on a new data
+    directory): the event loop keeps running meanwhile."""
+    env = {k: v for k, v in os.environ.items() if k != "LONNYMQ_DSN"}
+    env["LONNYMQ_DATA_DIR"] = str(tmp_path / "data")
+    done = subprocess.run(
+        [sys.executable, "-c", LOOP_TICKS],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    elapsed, longest_gap = (float(x) for x in done.stdout.split())
+    assert elapsed > 0.5  # the server did start (a new data directory takes seconds)
+    assert longest_gap < 0.25, f"the loop stood still {longest_gap:.3f} s of {elapsed:.3f} s"

@@ -27,6 +27,12 @@ def ms(text: str) -> int:
         ("0 0 * * 7", "2024-01-01T00:00:00", "2024-01-07T00:00:00"),  # 7 is Sunday
         # Both day fields restricted: either matches (the 13th or any Friday).
         ("0 0 13 * fri", "2024-01-01T00:00:00", "2024-01-05T00:00:00"),
+        # A day field starting with "*" is not restricted, yet its step still counts: both
+        # fields must match (the odd days; Sun/Tue/Thu/Sat; Mondays that are the 1st, 11th,
+        # 21st or 31st).
+        ("0 0 */2 * *", "2024-01-01T00:00:00", "2024-01-03T00:00:00"),
+        ("0 0 * * */2", "2024-01-02T00:00:00", "2024-01-04T00:00:00"),  # Tue → Thu
+        ("0 0 */10 * mon", "2024-01-01T00:00:00", "2024-03-11T00:00:00"),
     ],
 )
 def test_next_after(expression: str, after: str, expected: str) -> None:

@@ -256,3 +256,34 @@ def test_archive_lists_failures_and_replays_each_once(make_queue: Callable[..., 
         queue.archived(limit=0)
     with pytest.raises(InvalidArgumentError):
         queue.replay("1")  # type: ignore[arg-type]
+
+
+def test_a_firing_into_a_full_channel_waits_for_room(make_queue: Callable[..., Queue]) -> None:
+    """The task's channel is at its max_size: nothing fires, the time is not recorded as fired,
+    and the driver comes back within a second to fire it once there is room."""
+    queue = make_queue()
+    queue.channel("jobs").set_policy(max_size=1)
+    queue.create(b"already there", channel="jobs", dequeue_at=queue.now() + 3_600_000)
+    queue.schedule("s", cron="* * * * *", content=b"job", channel="jobs")
+    offset = _one_second_into_a_minute(queue) + MINUTE
+    queue.set_clock_offset(offset)
+    driver = queue.dequeue(lock_ms=10_000)
+    assert driver is not None
+    assert driver.channel == SCHEDULE_CHANNEL
+    firing = queue.fire_schedule(driver)
+    assert firing.full
+    assert firing.fire_at is not None
+    assert firing.next_at <= queue.now() + 1_000
+    [schedule] = queue.schedules()
+    assert schedule.last_fired_at is None
+    # Room again: the next turn fires that same time.
+    queue.channel("jobs").set_policy(max_size=2)
+    queue.set_clock_offset(offset + 1_500)
+    again = queue.dequeue(lock_ms=10_000)
+    assert again is not None
+    assert again.id == driver.id
+    fired = queue.fire_schedule(again)
+    assert (fired.full, fired.fire_at) == (False, firing.fire_at)
+    [jobs] = [s for s in queue.stats() if s.channel == "jobs"]
+    assert jobs.size == 2
+    assert queue.schedules()[0].last_fired_at == firing.fire_at
