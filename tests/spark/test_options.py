@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 
-from lonnymq import Queue
+from lonnymq import NewMessage, Queue
+from lonnymq.errors import InvalidArgumentError
 
 
 @contextmanager
@@ -122,3 +124,46 @@ def test_stream_read_needs_a_consumer(
 def test_bad_stream_option_fails_when_loaded(spark: SparkSession, options: dict[str, Any]) -> None:
     with pytest.raises(Exception, match="'lockMs' must be an integer between 1000 and"):
         spark.readStream.format("lonnymq").options(**options, consumer="c", lockMs="5").load()
+    with pytest.raises(Exception, match="'availableNowWaitMs' must be an integer between 0"):
+        spark.readStream.format("lonnymq").options(
+            **options, consumer="c", availableNowWaitMs="-1"
+        ).load()
+
+
+def test_the_known_options_named_in_an_error_are_the_documented_ones() -> None:
+    from lonnymq.spark._options import STREAM_WRITE_OPTIONS, check_known
+
+    with pytest.raises(InvalidArgumentError, match="known options: ") as raised:
+        check_known({"bogus": "1"}, STREAM_WRITE_OPTIONS, "df.writeStream")
+    assert "sinkId" in str(raised.value)
+    assert "_test" not in str(raised.value)  # the test suite's hooks
+
+
+@pytest.mark.slow
+def test_a_bad_stream_write_option_fails_at_the_first_micro_batch(
+    spark: SparkSession, queue: Queue, options: dict[str, Any], tmp_path: Path
+) -> None:
+    # As the README says: start() takes it (Spark calls the sink's code only to plan a
+    # micro-batch), the source has planned the batch by then, and a restart from the
+    # checkpoint with the option fixed replays it.
+    queue.create_many(NewMessage(f"m{i}".encode(), channel="in") for i in range(5))
+
+    def start(**sink: str) -> Any:
+        return (
+            spark.readStream.format("lonnymq")
+            .options(**options, consumer="c")
+            .load()
+            .select(F.lit("out").alias("channel"), F.col("content"))
+            .writeStream.format("lonnymq")
+            .options(**options, **sink)
+            .option("checkpointLocation", str(tmp_path / "cp"))
+            .trigger(availableNow=True)
+            .start()
+        )
+
+    query = start(onFull="maybe")
+    with pytest.raises(StreamingQueryException, match="'onFull' must be 'fail' or 'count'"):
+        query.awaitTermination(timeout=120)
+    assert {s.channel: (s.size, s.in_flight) for s in queue.stats()} == {"in": (5, 5)}
+    start().awaitTermination(timeout=120)
+    assert {s.channel: s.size for s in queue.stats()} == {"out": 5}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -30,3 +31,18 @@ def test_readme_spark_example_runs(
             assert left == (0,)
         finally:
             conn.execute("DROP SCHEMA IF EXISTS sparkdemo CASCADE")
+
+
+def test_readme_says_what_write_result_returns() -> None:
+    # It listed dropped_channels and replayed, which write_result never fills in.
+    from lonnymq.spark import _write
+
+    text = " ".join(README.read_text("utf-8").split())
+    [said] = re.findall(r"`write_result` returns a `WriteResult`([^.]*)\.", text)
+    named = set(re.findall(r"`(\w+)`", said))
+    filled = {"created", "deduplicated", "dropped"}
+    assert filled <= named
+    unfilled = {f.name for f in dataclasses.fields(_write.WriteResult)} - filled
+    assert unfilled <= named  # and said to be empty or false
+    assert "is empty" in said
+    assert "false" in said

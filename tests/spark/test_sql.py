@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import NewMessage, Queue
+from lonnymq import NewMessage, Queue, migrate
 from lonnymq.spark import _db, purge_staging
 
 Conn = psycopg.Connection[Any]
@@ -142,6 +142,27 @@ def test_plan_acks_releases_and_records(queue: Queue, admin: Conn) -> None:
     assert queue.stats() == []
 
 
+def test_batch_heartbeat_counts_a_row_held_elsewhere_as_neither(
+    dsn: str, queue: Queue, admin: Conn
+) -> None:
+    """A planned message whose row another transaction holds is not waited for, and is not
+    counted lost: only the others are extended."""
+    schema = queue.schema
+    for i in range(3):
+        queue.create(f"m{i}".encode(), channel=f"c{i}")
+    params = {"consumer": "k", "start": 0, "limit": 3, "lock_ms": 60_000, "max_id": None}
+    assert _call(admin, schema, "spark_batch_plan", params)[0][1] == 3
+    with psycopg.connect(dsn) as holder:
+        holder.execute(
+            sql.SQL("SELECT 1 FROM {}.message ORDER BY id LIMIT 1 FOR UPDATE").format(
+                sql.Identifier(schema)
+            )
+        )
+        admin.execute("SET lock_timeout = '5s'")
+        beat = _call(admin, schema, "spark_batch_heartbeat", {"consumer": "k", "lock_ms": 60_000})
+        assert beat == [(2, 0)]
+
+
 def test_plan_up_to_a_horizon_passes_later_messages_and_leaves_them_untouched(
     queue: Queue, admin: Conn
 ) -> None:
@@ -224,6 +245,99 @@ def test_a_sink_id_belongs_to_the_first_query_that_claims_it(queue: Queue, admin
     assert owners == [("orders", "q1"), ("refunds", "q2")]
 
 
+def _install_up_to(admin: Conn, schema: str, version: int) -> None:
+    """Apply migrations 1..``version`` as install() applies them all."""
+    with admin.transaction():
+        for statement in migrate.prepare_statements(schema):
+            admin.execute(statement)
+        for migration in migrate.migrations():
+            if migration.version <= version:
+                admin.execute(migrate.search_path_statement(schema))
+                admin.execute(migration.sql.encode())
+                admin.execute(migrate.record_statement(schema, migration))
+
+
+def test_the_data_source_needs_the_last_migration_that_changed_spark_functions() -> None:
+    # A schema without them passed the check and failed later, mid-job (a sinkId's commit
+    # called spark_sink_claim of 0025 on a schema at 0024).
+    changed = [m.version for m in migrate.migrations() if "spark_" in m.sql]
+    assert max(changed) == _db.SPARK_SCHEMA_VERSION
+
+
+def test_an_older_schema_is_refused_before_any_job(dsn: str, schema_name: str, admin: Conn) -> None:
+    from lonnymq.errors import SchemaVersionError
+    from lonnymq.spark import LonnyMQDataSource
+
+    _install_up_to(admin, schema_name, _db.SPARK_SCHEMA_VERSION - 1)
+    options = {"dsn": dsn, "schema": schema_name}
+    with pytest.raises(SchemaVersionError, match=f"needs version {_db.SPARK_SCHEMA_VERSION}"):
+        LonnyMQDataSource(options)
+    with Queue(dsn, schema=schema_name) as queue:
+        queue.install()
+    LonnyMQDataSource(options)
+
+
+def test_a_write_id_and_a_sink_id_cannot_share_a_name(queue: Queue, admin: Conn) -> None:
+    # A batch write records batch 0 of its writeId, a stream its batches under its sinkId:
+    # sharing a name, one would find the other's record and enqueue nothing.
+    def claim_write(write_id: str) -> None:
+        _call(admin, queue.schema, "spark_write_claim", {"write_id": write_id})
+
+    def claim_sink(sink_id: str, query_id: str) -> None:
+        _call(admin, queue.schema, "spark_sink_claim", {"sink_id": sink_id, "query_id": query_id})
+
+    claim_write("orders")
+    claim_write("orders")  # a rerun of the same batch write
+    with pytest.raises(psycopg.Error, match="sinkId orders is the writeId of a batch write"):
+        claim_sink("orders", "q1")
+    claim_sink("feed", "q1")
+    with pytest.raises(psycopg.Error, match="writeId feed is the sinkId of a streaming write"):
+        claim_write("feed")
+    # A stream that never claims (no sinkId: the query id) still has commit records.
+    _call(
+        admin,
+        queue.schema,
+        "spark_write_commit",
+        {"sink_id": "q-2", "batch_id": 3, "write_id": "w", "task_tags": []},
+    )
+    with pytest.raises(psycopg.Error, match="writeId q-2 is the sinkId of a streaming write"):
+        claim_write("q-2")
+    with pytest.raises(psycopg.Error, match="write_id must be 1 to 255 characters"):
+        claim_write("")
+    owners = admin.execute(
+        sql.SQL("SELECT sink_id, kind, query_id FROM {}.spark_sink ORDER BY 1").format(
+            sql.Identifier(queue.schema)
+        )
+    ).fetchall()
+    assert owners == [("feed", "stream", "q1"), ("orders", "write", None)]
+
+
+def test_upgrade_keeps_earlier_batch_writes_from_streams(
+    dsn: str, schema_name: str, admin: Conn
+) -> None:
+    # Commit records from before 0030 have no claim: a name whose only record is batch 0 was
+    # a batch write's (a UUID-shaped one too: a writeId is often one).
+    _install_up_to(admin, schema_name, 29)
+    uuid_write_id = "0b7c3f4e-8a1d-4a52-9c6e-2f1e5d7a9b10"  # a writeId made with uuid4()
+    for sink_id, batch_id in [("nightly", 0), ("feed", 0), ("feed", 1), (uuid_write_id, 0)]:
+        _call(
+            admin,
+            schema_name,
+            "spark_write_commit",
+            {"sink_id": sink_id, "batch_id": batch_id, "write_id": "w", "task_tags": []},
+        )
+    with Queue(dsn, schema=schema_name) as queue:
+        queue.install()
+    with pytest.raises(psycopg.Error, match="sinkId nightly is the writeId of a batch write"):
+        _call(admin, schema_name, "spark_sink_claim", {"sink_id": "nightly", "query_id": "q"})
+    _call(admin, schema_name, "spark_write_claim", {"write_id": "nightly"})
+    assert _call(admin, schema_name, "spark_write_result", {"sink_id": "nightly", "batch_id": 0})
+    _call(admin, schema_name, "spark_write_claim", {"write_id": uuid_write_id})  # rerun: committed
+    with pytest.raises(psycopg.Error, match="is the sinkId of a streaming write"):
+        _call(admin, schema_name, "spark_write_claim", {"write_id": "feed"})
+    _call(admin, schema_name, "spark_sink_claim", {"sink_id": "feed", "query_id": "q"})
+
+
 def test_public_names_exist_and_are_documented() -> None:
     import lonnymq.spark
 
@@ -301,3 +415,52 @@ def test_commit_refuses_a_bad_staged_row_and_changes_nothing(queue: Queue, admin
             sql.SQL("SELECT count(*) FROM {}.{}").format(ident, sql.Identifier(table))
         ).fetchone()
         assert found == (left,), table
+
+
+def test_batch_waiting_counts_what_only_a_channel_policy_holds_back(
+    queue: Queue, admin: Conn
+) -> None:
+    queue.channel("slow").set_policy(release_interval_ms=60_000)
+    queue.channel("paused").set_policy(max_concurrency=0)
+    queue.channel("full").set_policy(max_concurrency=1)
+    ids = [queue.create(b"x", channel=c).id for c in ("slow", "slow", "paused", "full", "full")]
+    queue.create(b"later", channel="later", dequeue_at=queue.now() + 3_600_000)
+    taken = queue.dequeue_many(10, lock_ms=60_000)
+    assert sorted(m.channel for m in taken) == ["full", "slow"]
+    params = {"max_id": max(i for i in ids if i is not None), "due_by": queue.now()}
+
+    def waiting() -> tuple[int, int | None]:
+        [(channels, next_at, now)] = _call(admin, queue.schema, "spark_batch_waiting", params)
+        return channels, None if next_at is None else next_at - now
+
+    # slow (its interval ends in about 60 s) and full (its one slot is taken: poll, now); not
+    # the paused channel, nor the message due in an hour.
+    assert waiting() == (2, 0)
+    queue.channel("full").set_policy(max_concurrency=0)
+    channels, wait_ms = waiting()
+    assert channels == 1
+    assert wait_ms is not None
+    assert 50_000 < wait_ms <= 60_000
+    params["max_id"] = 0  # a horizon before them all
+    assert waiting() == (0, None)
+    # A later message at the head of the slow channel (created with a priority) is what every
+    # plan takes and gives back: waiting for that channel's interval is of no use.
+    params["max_id"] = max(i for i in ids if i is not None)
+    queue.create(b"urgent", channel="slow", priority=1)
+    assert waiting() == (0, None)
+
+
+def test_batch_waiting_counts_a_policy_free_channel_dequeued_since_the_start(
+    queue: Queue, admin: Conn
+) -> None:
+    """A channel without a policy that a dequeue served since the run's start (its next time
+    moved past that start) still counts while its head is due; an idle one (its messages due
+    later) does not."""
+    for _ in range(3):
+        queue.create(b"x", channel="free")
+    queue.create(b"later", channel="idle", dequeue_at=queue.now() + 3_600_000)
+    params = {"max_id": 10**12, "due_by": queue.now()}
+    time.sleep(0.05)
+    assert queue.dequeue(lock_ms=60_000) is not None  # next time: now, past due_by
+    [(channels, _, _)] = _call(admin, queue.schema, "spark_batch_waiting", params)
+    assert channels == 1

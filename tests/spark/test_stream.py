@@ -19,6 +19,7 @@ import pytest
 from psycopg import sql
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
 from lonnymq import NewMessage, Queue
@@ -251,20 +252,140 @@ def test_a_replayed_micro_batch_is_not_enqueued_twice(
     assert _ids(admin, queue.schema, "SELECT count(*) FROM {schema}.spark_stage") == [0]
 
 
+@pytest.mark.slow
+def test_a_write_id_and_a_sink_id_of_the_same_name_fail_before_enqueuing(
+    spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any], tmp_path: Path
+) -> None:
+    # Both record their commits under their name: a stream named like an earlier batch write
+    # found its batch 0 recorded and enqueued nothing, and a batch write named like a stream's
+    # sink was dropped, both without an error.
+    def stream(sink_id: str, channel: str) -> None:
+        inbox = tmp_path / f"inbox-{sink_id}"
+        inbox.mkdir()
+        lines = [json.dumps({"channel": channel, "content": f"m{i}"}) for i in range(10)]
+        (inbox / "part-0.json").write_text("\n".join(lines) + "\n")
+        (
+            spark.readStream.schema("channel string, content string")
+            .json(str(inbox))
+            .writeStream.format("lonnymq")
+            .options(**options, sinkId=sink_id)
+            .option("checkpointLocation", str(tmp_path / f"cp-{sink_id}"))
+            .trigger(availableNow=True)
+            .start()
+            .awaitTermination(timeout=180)
+        )
+
+    def batch(write_id: str, channel: str) -> None:
+        frame = spark.range(5).select(
+            F.lit(channel).alias("channel"), F.col("id").cast("string").alias("content")
+        )
+        frame.write.format("lonnymq").options(**options, writeId=write_id).mode("append").save()
+
+    batch("orders", "batch")
+    with pytest.raises(StreamingQueryException, match="sinkId orders is the writeId of a batch"):
+        stream("orders", "stream")
+    stream("feed", "stream")
+    with pytest.raises(Exception, match="writeId feed is the sinkId of a streaming write"):
+        batch("feed", "batch")
+    assert {s.channel: s.size for s in queue.stats()} == {"batch": 5, "stream": 10}
+    assert _ids(admin, queue.schema, "SELECT count(*) FROM {schema}.spark_stage") == [0]
+
+
 def test_an_aborted_micro_batch_clears_what_failed_attempts_staged(
     queue: Queue, admin: Conn, options: dict[str, Any]
 ) -> None:
     """Every task of the micro-batch failed (Spark passes no message for a failed task): the
-    rows their attempts staged under the writer's id are cleared all the same."""
+    rows their attempts staged are cleared all the same. Spark aborts on a writer of a data
+    source of its own: only the options are the same."""
     columns = StructType([StructField("content", StringType())])
-    writer = LonnyMQDataSource(options).streamWriter(columns, overwrite=False)
+    opts = {**options, "checkpointLocation": "/tmp/cp-a"}
+    tasks = LonnyMQDataSource(opts).streamWriter(columns, overwrite=False)
     batch = pa.record_batch({"content": pa.array(["a", "b", "c"])})
-    assert _write.stage(writer._opts, writer._write_id, "p0-a0", iter([batch])) == 3
+    for batch_id, tag in [(4, "p0-a0"), (5, "p0-a0"), (5, "p0-a1")]:  # a1: a retry
+        write_id = tasks._write_id(batch_id, "the query id")
+        assert write_id is not None
+        assert _write.stage(tasks._opts, write_id, tag, iter([batch])) == 3
+    other = {**options, "checkpointLocation": "/tmp/cp-b"}
+    write_id = LonnyMQDataSource(other).streamWriter(columns, overwrite=False)._write_id(5)
+    assert write_id is not None
+    assert _write.stage(tasks._opts, write_id, "p0-a0", iter([batch])) == 3
     stage = "SELECT count(*) FROM {schema}.spark_stage"
-    assert _ids(admin, queue.schema, stage) == [3]
-    writer.abort([None, None], 0)
-    assert _ids(admin, queue.schema, stage) == [0]
+    assert _ids(admin, queue.schema, stage) == [12]
+    LonnyMQDataSource(opts).streamWriter(columns, overwrite=False).abort([None, None], 5)
+    # Batch 4's rows, and the batch 5 of another query (checkpoint), are not this batch's.
+    assert _ids(admin, queue.schema, stage) == [6]
     assert queue.stats() == []
+
+
+def test_two_queries_given_one_sink_id_do_not_clear_each_others_staging(
+    queue: Queue, admin: Conn, options: dict[str, Any]
+) -> None:
+    """A second query given the same sinkId by mistake (refused at its commit) stages under
+    an id of its own: its abort leaves the first query's batch alone."""
+    columns = StructType([StructField("content", StringType())])
+    opts = {**options, "sinkId": "feed"}
+    first = LonnyMQDataSource(opts).streamWriter(columns, overwrite=False)
+    second = LonnyMQDataSource(opts).streamWriter(columns, overwrite=False)
+    batch = pa.record_batch({"content": pa.array(["a", "b", "c"])})
+    ids = [w._write_id(5, query) for w, query in ((first, "query-A"), (second, "query-B"))]
+    assert ids[0] != ids[1]
+    assert ids[0] is not None
+    assert _write.stage(first._opts, ids[0], "p0-a0", iter([batch])) == 3
+    second.abort([None], 5)
+    assert _ids(admin, queue.schema, "SELECT count(*) FROM {schema}.spark_stage") == [3]
+
+
+@pytest.mark.slow
+def test_a_micro_batch_whose_every_task_failed_leaves_nothing_staged(
+    spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any], tmp_path: Path
+) -> None:
+    # Spark aborts the batch on a writer of its own, which no commit message reaches.
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    lines = [json.dumps({"channel": "c", "content": f"m{i}"}) for i in range(50)]
+    (inbox / "part-0.json").write_text("\n".join(lines) + "\n")
+    checkpoint = str(tmp_path / "cp")
+
+    def run(**extra: str) -> None:
+        (
+            spark.readStream.schema("channel string, content string")
+            .json(str(inbox))
+            .writeStream.format("lonnymq")
+            .options(**options, **extra)
+            .option("checkpointLocation", checkpoint)
+            .trigger(availableNow=True)
+            .start()
+            .awaitTermination(timeout=180)
+        )
+
+    with pytest.raises(StreamingQueryException, match="fails after write"):
+        run(_testFailAfterWrite="0", _testFailEveryAttempt="true")
+    assert _ids(admin, queue.schema, "SELECT count(*) FROM {schema}.spark_stage") == [0]
+    assert _ids(admin, queue.schema, "SELECT count(*) FROM {schema}.spark_stage_task") == [0]
+    assert queue.stats() == []
+    # Batch 0 again, after a driver died and left what a task staged for it: the commit
+    # promotes the new run's winning attempts only, and clears the rest.
+    columns = StructType(
+        [StructField("channel", StringType()), StructField("content", StringType())]
+    )
+    writer = LonnyMQDataSource({**options, "checkpointLocation": checkpoint}).streamWriter(
+        columns, overwrite=False
+    )
+    write_id = writer._write_id(0)
+    assert write_id is not None
+    left = pa.record_batch({"channel": pa.array(["c"]), "content": pa.array(["stale"])})
+    assert _write.stage(writer._opts, write_id, "p0-a0-dead", iter([left])) == 1
+    run()
+    contents = _contents(admin, queue.schema)
+    assert sorted(contents) == sorted(f"m{i}" for i in range(50))
+    assert _ids(admin, queue.schema, "SELECT count(*) FROM {schema}.spark_stage") == [0]
+
+
+def _contents(admin: Conn, schema: str) -> list[str]:
+    rows = admin.execute(
+        sql.SQL("SELECT content FROM {}.message").format(sql.Identifier(schema))
+    ).fetchall()
+    return [bytes(r[0]).decode() for r in rows]
 
 
 def test_stream_read_schema(spark: SparkSession, queue: Queue, options: dict[str, Any]) -> None:
@@ -303,3 +424,90 @@ def test_a_slow_batch_keeps_its_locks(
     assert stolen == []
     assert sorted(delivered) == sorted(created)
     assert queue.stats() == []
+
+
+def _create(queue: Queue, channel: str, n: int) -> set[int]:
+    results = queue.create_many(NewMessage(channel.encode(), channel=channel) for _ in range(n))
+    ids = {r.id for r in results if r.id is not None}
+    assert len(ids) == n
+    return ids
+
+
+def _drain_available_now(
+    spark: SparkSession, options: dict[str, Any], checkpoint: Path, **extra: str
+) -> tuple[list[int], float]:
+    """Run one Trigger.AvailableNow query to its end: the ids it delivered, and its time."""
+    delivered: list[int] = []
+
+    def sink(batch: DataFrame, batch_id: int) -> None:
+        delivered.extend(r.id for r in batch.select("id").collect())
+
+    began = time.monotonic()
+    query = (
+        spark.readStream.format("lonnymq")
+        .options(**options, maxMessagesPerBatch="10", lockMs="30000", **extra)
+        .load()
+        .writeStream.foreachBatch(sink)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(timeout=150)
+    assert not query.isActive
+    return delivered, time.monotonic() - began
+
+
+@pytest.mark.slow
+def test_available_now_waits_for_messages_a_channel_policy_holds_back(
+    spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any], tmp_path: Path
+) -> None:
+    # A plan finds only what is ready: the rate-limited channel gives one message per 300 ms
+    # and the other channel one at a time. The run waits for them instead of ending at the
+    # first plan that finds nothing (which left 4 of 6 such messages in a review).
+    queue.channel("slow").set_policy(release_interval_ms=300)
+    queue.channel("single").set_policy(max_concurrency=1)
+    created = _create(queue, "slow", 6)
+    created |= _create(queue, "single", 3)
+    created |= _fill(queue, 25)
+    delivered, _ = _drain_available_now(spark, {**options, "consumer": "policies"}, tmp_path)
+    assert sorted(delivered) == sorted(created)
+    assert _ids(admin, queue.schema, "SELECT id FROM {schema}.message") == []
+    assert _ids(admin, queue.schema, "SELECT msg_id FROM {schema}.spark_batch") == []
+
+
+@pytest.mark.slow
+def test_available_now_leaves_paused_held_and_later_messages_without_hanging(
+    spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any], tmp_path: Path
+) -> None:
+    # Not waited for: a paused channel's messages (max_concurrency 0) and one due in an hour.
+    # The run ends well before availableNowWaitMs (60 s by default) has passed.
+    queue.channel("paused").set_policy(max_concurrency=0)
+    left = _create(queue, "paused", 3)
+    later = queue.create(b"later", channel="later", dequeue_at=queue.now() + 3_600_000)
+    assert later.id is not None
+    left.add(later.id)
+    created = _fill(queue, 12)
+    delivered, took = _drain_available_now(
+        spark, {**options, "consumer": "leaves"}, tmp_path / "cp1"
+    )
+    assert sorted(delivered) == sorted(created)
+    assert took < 45
+    assert set(_ids(admin, queue.schema, "SELECT id FROM {schema}.message")) == left
+
+    # Waited for, up to availableNowWaitMs only: a message whose channel's one slot another
+    # consumer holds (here for two minutes).
+    queue.channel("held").set_policy(max_concurrency=1)
+    held = _create(queue, "held", 2)
+    taken = queue.dequeue_many(1, lock_ms=120_000)
+    assert [m.id for m in taken] == [min(held)]
+    created = _fill(queue, 12)
+    delivered, took = _drain_available_now(
+        spark, {**options, "consumer": "gives-up"}, tmp_path / "cp2", availableNowWaitMs="3000"
+    )
+    assert sorted(delivered) == sorted(created)
+    assert took < 45
+    assert set(_ids(admin, queue.schema, "SELECT id FROM {schema}.message")) == left | held
+    # Left as they were: no attempt counted for a message the queries never delivered.
+    assert _ids(admin, queue.schema, "SELECT id FROM {schema}.message WHERE num_attempts > 0") == [
+        min(held)
+    ]

@@ -82,7 +82,8 @@ def write_result(
     write_id: str, *, dsn: str | None = None, schema: str = "lonnymq"
 ) -> WriteResult | None:
     """What the batch write run with option ``writeId=write_id`` enqueued (created,
-    deduplicated, dropped), or ``None`` when no such write was committed."""
+    deduplicated, dropped), or ``None`` when no such write was committed. Only the counts are
+    recorded: ``dropped_channels`` is empty and ``replayed`` false."""
     from ._options import writer_id
     from ._write import result_of
 

@@ -35,6 +35,10 @@ __all__ = [
 
 DEFAULT_LOCK_MS = 60_000
 DEFAULT_MAX_MESSAGES = 1_000
+# Trigger.AvailableNow: how long a plan that finds nothing waits for messages up to the
+# horizon that a channel's policy holds back (availableNowWaitMs).
+DEFAULT_AVAILABLE_NOW_WAIT_MS = 60_000
+MAX_AVAILABLE_NOW_WAIT_MS = 3_600_000
 # Trigger.AvailableNow and ReadAllAvailable ask for "everything": plan at most this many per
 # micro-batch all the same, so that one batch stays a bounded transaction.
 MAX_MESSAGES_PER_BATCH = 100_000
@@ -44,8 +48,10 @@ MAX_PARTITIONS = 1_024
 # Options Spark itself may add to the mapping, which are not ours to refuse.
 _SPARK_OPTIONS = {"path", "paths", "checkpointlocation", "queryname"}
 
-# Read only by the test suite: make write tasks fail after staging (see write_options).
+# Read only by the test suite: make write tasks fail after staging (see write_options), the
+# first attempt only or, with the second, every attempt.
 TEST_FAIL_OPTION = "_testFailAfterWrite"
+TEST_FAIL_EVERY_OPTION = "_testFailEveryAttempt"
 
 
 class Table(StrEnum):
@@ -109,6 +115,7 @@ class WriteOptions:
     write_id: str | None
     sink_id: str | None
     fail_after_write: int | None
+    fail_every_attempt: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +131,15 @@ class ReadOptions:
 
 @dataclass(frozen=True, slots=True)
 class StreamReadOptions:
-    """A streaming read: its consumer name, lock duration and batch size."""
+    """A streaming read: its consumer name, lock duration, batch size, partitions, and how
+    long Trigger.AvailableNow waits for messages a channel's policy holds back."""
 
     conn: Connection
     consumer: str
     lock_ms: int
     max_messages: int
     partitions: int
+    available_now_wait_ms: int
 
 
 def _bad(option: str, expected: str, value: object) -> InvalidArgumentError:
@@ -144,7 +153,7 @@ def check_known(options: Mapping[str, str], known: set[str], direction: str) -> 
     if unknown:
         raise InvalidArgumentError(
             f"unknown lonnymq option(s) {', '.join(map(repr, unknown))} for {direction}; "
-            f"known options: {', '.join(sorted(known))}"
+            f"known options: {', '.join(sorted(n for n in known if not n.startswith('_')))}"
         )
 
 
@@ -219,6 +228,7 @@ WRITE_OPTIONS = COMMON_OPTIONS | {
     "dedupKeyColumn",
     "onFull",
     TEST_FAIL_OPTION,
+    TEST_FAIL_EVERY_OPTION,
 }
 BATCH_WRITE_OPTIONS = WRITE_OPTIONS | {"writeId", "mode"}
 STREAM_WRITE_OPTIONS = WRITE_OPTIONS | {"sinkId"}
@@ -369,6 +379,7 @@ def write_options(
             if options.get(TEST_FAIL_OPTION) is None
             else _int(options, TEST_FAIL_OPTION, 0, 0, 1_000_000)
         ),
+        fail_every_attempt=(_text(options, TEST_FAIL_EVERY_OPTION) or "").lower() == "true",
     )
 
 
@@ -403,6 +414,7 @@ def read_options(options: Mapping[str, str]) -> ReadOptions:
 
 
 STREAM_READ_OPTIONS = COMMON_OPTIONS | {
+    "availableNowWaitMs",
     "consumer",
     "lockMs",
     "maxMessagesPerBatch",
@@ -431,6 +443,17 @@ def stream_read_options(options: Mapping[str, str]) -> StreamReadOptions:
             options, "maxMessagesPerBatch", DEFAULT_MAX_MESSAGES, 1, MAX_MESSAGES_PER_BATCH
         ),
         partitions=_int(options, "numPartitions", DEFAULT_PARTITIONS, 1, MAX_PARTITIONS),
+        available_now_wait_ms=_available_now_wait_ms(options),
+    )
+
+
+def _available_now_wait_ms(options: Mapping[str, str]) -> int:
+    return _int(
+        options,
+        "availableNowWaitMs",
+        DEFAULT_AVAILABLE_NOW_WAIT_MS,
+        0,
+        MAX_AVAILABLE_NOW_WAIT_MS,
     )
 
 
@@ -450,6 +473,7 @@ def check_all(options: Mapping[str, str]) -> Connection:
     _int(options, "fetchSize", 10_000, 1, 1_000_000)
     _int(options, "lockMs", DEFAULT_LOCK_MS, 1_000, _core.MAX_LOCK_MS)
     _int(options, "maxMessagesPerBatch", DEFAULT_MAX_MESSAGES, 1, MAX_MESSAGES_PER_BATCH)
+    _available_now_wait_ms(options)
     for name in ("consumer", "snapshot", "channel", "writeId", "sinkId"):
         _text(options, name)
     return conn

@@ -245,6 +245,24 @@ class ConsumerRunner:
             )
         return None if rows[0][1] is None else int(rows[0][1])
 
+    def clock(self) -> int:
+        """The queue's clock now, in ms (the moment Trigger.AvailableNow's run starts)."""
+        with self._turn:
+            rows = _db.run(self._db, self._opts.conn.schema, "epoch", {})
+        return int(rows[0][0])
+
+    def waiting(self, max_id: int, due_by: int) -> tuple[int, int]:
+        """Messages up to ``max_id`` due by ``due_by`` that only their channel's policy holds
+        back: (how many channels hold some, ms until the first may leave; 0 when it may now,
+        or when a channel's max_concurrency slots are all taken and only polling tells)."""
+        params = {"max_id": max_id, "due_by": due_by}
+        with self._turn:
+            rows = _db.run(self._db, self._opts.conn.schema, "spark_batch_waiting", params)
+        channels, next_at, now_at = rows[0]
+        if not channels:
+            return 0, 0
+        return int(channels), max(0, int(next_at) - int(now_at))
+
     def _heartbeat(self) -> None:
         interval = self._opts.lock_ms / 3000
         db: _db.Conn | None = None

@@ -11,6 +11,8 @@ everything a commit needs travels in the commit messages.
 
 from __future__ import annotations
 
+import hashlib
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -64,6 +66,12 @@ from ._options import (
 
 __all__ = ["LonnyMQDataSource"]
 
+# Trigger.AvailableNow waiting on a channel's policy: the poll when no time is known (a
+# channel's max_concurrency slots are all taken), and the longest sleep before looking again
+# (a policy may change, a holder finish).
+_POLL_S = 0.25
+_MAX_SLEEP_S = 1.0
+
 
 def _kind(data_type: DataType) -> str:
     if isinstance(data_type, StringType):
@@ -93,13 +101,14 @@ def _task_tag() -> str:
 
 def _maybe_fail(opts: WriteOptions) -> None:
     """Test hook (option ``_testFailAfterWrite=P``): the first attempt of partition P fails
-    after its rows were staged, as a lost executor would."""
+    after its rows were staged, as a lost executor would; every attempt with
+    ``_testFailEveryAttempt=true``."""
     ctx = TaskContext.get()
     if (
         opts.fail_after_write is not None
         and ctx is not None
         and ctx.partitionId() == opts.fail_after_write
-        and ctx.attemptNumber() == 0
+        and (ctx.attemptNumber() == 0 or opts.fail_every_attempt)
     ):
         raise RuntimeError(f"{TEST_FAIL_OPTION}: partition {ctx.partitionId()} fails after write")
 
@@ -147,7 +156,14 @@ class LonnyMQDataSource(DataSource):
     def streamWriter(self, schema: StructType, overwrite: bool) -> _StreamWriter:
         if overwrite:
             raise InvalidArgumentError("lonnymq only appends to a queue: use outputMode('append')")
-        return _StreamWriter(write_options(self.options, _columns(schema), streaming=True))
+        opts = write_options(self.options, _columns(schema), streaming=True)
+        # What the micro-batch's tasks and the writer that commits or aborts it (a new one,
+        # made from a new data source: only the options are the same) both know.
+        # Not the sinkId: two queries given one sinkId by mistake (the second is refused at
+        # its commit) would stage under one id, and the second's abort clear the first's rows.
+        checkpoint = self.options.get("checkpointLocation")
+        key = f"checkpoint {checkpoint}" if checkpoint else None
+        return _StreamWriter(opts, key)
 
 
 # -- batch read --------------------------------------------------------------------------
@@ -194,11 +210,18 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._opts = opts
         self._runner: _read.ConsumerRunner | None = None
         self._max_id: int | None = None
+        self._started_at: int | None = None
         self._available_now = False
 
     def __getstate__(self) -> dict[str, Any]:
         # Executors get the options only: never a connection or a thread.
-        return {"_opts": self._opts, "_runner": None, "_max_id": None, "_available_now": False}
+        return {
+            "_opts": self._opts,
+            "_runner": None,
+            "_max_id": None,
+            "_started_at": None,
+            "_available_now": False,
+        }
 
     def _consumer(self) -> _read.ConsumerRunner:
         if self._runner is None:
@@ -213,7 +236,10 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def prepareForTriggerAvailableNow(self) -> None:
         self._available_now = True
-        self._max_id = self._consumer().max_id()
+        consumer = self._consumer()
+        # The clock first: every message up to the horizon was created by then.
+        self._started_at = consumer.clock()
+        self._max_id = consumer.max_id()
 
     def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
         if isinstance(limit, ReadMaxRows):
@@ -227,8 +253,37 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # finish the batch Spark has just committed.
             self._consumer().ack(int(start["batch"]))
             return {"batch": int(start["batch"])}
-        batch_no, _ = self._consumer().plan(int(start["batch"]), wanted, self._max_id)
+        batch_no, size = self._consumer().plan(int(start["batch"]), wanted, self._max_id)
+        if size == 0 and self._available_now:
+            batch_no = self._wait_and_plan(int(start["batch"]), wanted)
         return {"batch": batch_no}
+
+    def _wait_and_plan(self, start: int, wanted: int) -> int:
+        """Trigger.AvailableNow, after a plan that found nothing: while messages up to the
+        horizon, due when the run started, are held back only by their channel's policy
+        (release_interval_ms, or max_concurrency slots taken), wait until the first may leave
+        and plan again. Gives up (the run ends; they are left for the next one) when that is
+        further away than ``availableNowWaitMs`` from this call, or once that long has passed
+        without a plan finding one. Messages of a paused channel (max_concurrency 0), locked
+        ones and those scheduled after the start are not waited for."""
+        consumer = self._consumer()
+        assert self._max_id is not None
+        assert self._started_at is not None
+        deadline = time.monotonic() + self._opts.available_now_wait_ms / 1000
+        while True:
+            channels, wait_ms = consumer.waiting(self._max_id, self._started_at)
+            if channels == 0:
+                return start
+            wait = wait_ms / 1000 if wait_ms > 0 else _POLL_S
+            if time.monotonic() + wait > deadline:
+                return start
+            if wait > _MAX_SLEEP_S:
+                time.sleep(_MAX_SLEEP_S)  # then look again
+                continue
+            time.sleep(wait)
+            batch_no, size = consumer.plan(start, wanted, self._max_id)
+            if size > 0:
+                return batch_no
 
     def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
         self._consumer()  # a replay after a restart starts here: take the consumer, heartbeat
@@ -305,15 +360,20 @@ class _BatchWriter(DataSourceArrowWriter):
             )
             return
         staged = _staged(messages)
-        _write.commit(
-            self._opts,
-            sink_id=self._sink_id,
-            batch_id=0,
-            write_id=self._write_id,
-            task_tags=[m.task_tag for m in staged],
-            expected_rows=sum(m.n_rows for m in staged),
-            streaming=False,
-        )
+        try:
+            _write.commit(
+                self._opts,
+                sink_id=self._sink_id,
+                batch_id=0,
+                write_id=self._write_id,
+                task_tags=[m.task_tag for m in staged],
+                expected_rows=sum(m.n_rows for m in staged),
+                streaming=False,
+                named=self._opts.write_id is not None,
+            )
+        except InvalidArgumentError:
+            _write.clear(self._opts, [self._write_id])  # a refused writeId: what was staged
+            raise
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         if self._opts.mode is WriteMode.STAGED:
@@ -325,11 +385,26 @@ class _BatchWriter(DataSourceArrowWriter):
 
 class _StreamWriter(DataSourceStreamArrowWriter):
     """Exactly once per micro-batch: the batch's commit is recorded under (sink id, batch id)
-    in the transaction that enqueues it, so a replayed batch enqueues nothing."""
+    in the transaction that enqueues it, so a replayed batch enqueues nothing.
 
-    def __init__(self, opts: WriteOptions) -> None:
+    Spark commits or aborts a micro-batch on a new writer, not the one its tasks got, and
+    passes no message for a failed task. So the tasks stage under a write id the aborting
+    writer can derive: from the batch id and ``key``, the query's ``checkpointLocation``
+    option (one query at a time runs on a checkpoint); an abort then clears what every attempt
+    staged even when no task succeeded. A batch re-run after a restart stages under the same
+    id: its commit promotes the winning attempts only and clears the rest, the crashed run's
+    included. Without that option the id is the query id's (which only tasks know): such an
+    abort clears only what the successful tasks name, and purge_staging the rest."""
+
+    def __init__(self, opts: WriteOptions, key: str | None) -> None:
         self._opts = opts
-        self._write_id = uuid.uuid4().hex
+        self._key = key
+
+    def _write_id(self, batch_id: int, query_id: str | None = None) -> str | None:
+        key = self._key if self._key is not None else query_id and f"query {query_id}"
+        if key is None:
+            return None
+        return f"{hashlib.sha256(key.encode()).hexdigest()[:32]}-{batch_id}"
 
     def write(self, iterator: Iterator[Any]) -> StagedTask:
         ctx = TaskContext.get()
@@ -338,16 +413,18 @@ class _StreamWriter(DataSourceStreamArrowWriter):
         if batch is None or query is None:
             raise InvalidArgumentError("the lonnymq stream writer runs only in a streaming query")
         batch_id = int(batch)
+        write_id = self._write_id(batch_id, str(query))
+        assert write_id is not None
         sink_id = self._opts.sink_id or str(query)
         tag = _task_tag()
         if _write.is_committed(self._opts, sink_id, batch_id):
             _write.drain(iterator)
             return StagedTask(
-                self._write_id, tag, 0, sink_id, batch_id, skipped=True, query_id=str(query)
+                write_id, tag, 0, sink_id, batch_id, skipped=True, query_id=str(query)
             )
-        n_rows = _write.stage(self._opts, self._write_id, tag, iterator)
+        n_rows = _write.stage(self._opts, write_id, tag, iterator)
         _maybe_fail(self._opts)
-        return StagedTask(self._write_id, tag, n_rows, sink_id, batch_id, query_id=str(query))
+        return StagedTask(write_id, tag, n_rows, sink_id, batch_id, query_id=str(query))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         staged = _staged(messages)
@@ -380,6 +457,10 @@ class _StreamWriter(DataSourceStreamArrowWriter):
             raise
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        # This writer's own id too: when no task succeeded, failed attempts staged under it
-        # and no message names it.
-        _write.clear(self._opts, {self._write_id} | {m.write_id for m in _staged(messages)})
+        # The batch's write id: when no task succeeded, no message names it, yet failed
+        # attempts staged under it.
+        write_ids = {m.write_id for m in _staged(messages)}
+        derived = self._write_id(batchId)
+        if derived is not None:
+            write_ids.add(derived)
+        _write.clear(self._opts, write_ids)

@@ -52,6 +52,8 @@ class WriteResult:
     their channel already had; ``dropped`` rows refused by channels at their ``max_size``
     (``dropped_channels`` names up to 20 of those channels). ``replayed`` is true when the
     write had already been committed (a replayed micro-batch): nothing was enqueued again.
+    ``lonnymq.spark.write_result`` reads the counts a commit recorded and nothing else: its
+    ``dropped_channels`` is always empty and its ``replayed`` false.
     """
 
     created: int
@@ -334,15 +336,20 @@ def commit(
     expected_rows: int,
     streaming: bool,
     owner: str | None = None,
+    named: bool = False,
 ) -> WriteResult:
     """Enqueue what the winning tasks staged, once per (sink_id, batch_id), in one
     transaction; raise (enqueuing nothing) when rows went missing or, with onFull=fail,
     when a channel refused some. With ``owner`` (a streaming query's id), the sink id is
-    claimed for that query in the same transaction: another query's claim refuses it."""
+    claimed for that query in the same transaction: another query's claim, or a batch
+    write's, refuses it. A ``named`` batch write (option writeId) claims its name for batch
+    writes the same way: a stream's sink of that name refuses it."""
     schema = opts.conn.schema
     with _db.connect(opts.conn, autocommit=False) as db, _db.translated(schema):
         if owner is not None:
             _db.run(db, schema, "spark_sink_claim", {"sink_id": sink_id, "query_id": owner})
+        if named:
+            _db.run(db, schema, "spark_write_claim", {"write_id": sink_id})
         rows = _db.run(
             db,
             schema,

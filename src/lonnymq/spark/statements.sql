@@ -64,6 +64,14 @@ FROM {schema}.spark_batch_read(
     p_slice => %(slice)s::integer,
     p_slices => %(slices)s::integer)
 
+-- name: spark_batch_waiting
+SELECT channels, next_at, now_at FROM {schema}.spark_batch_waiting(
+    p_max_id => %(max_id)s::bigint,
+    p_due_by => %(due_by)s::bigint)
+
+-- name: epoch
+SELECT {schema}.epoch()
+
 -- name: spark_scan_bounds
 SELECT min_id, max_id FROM {schema}.spark_scan_bounds(p_table => %(table)s::text)
 
@@ -81,3 +89,6 @@ FROM {schema}.spark_archive_scan(p_lo => %(lo)s::bigint, p_hi => %(hi)s::bigint)
 SELECT {schema}.spark_sink_claim(
     p_sink_id => %(sink_id)s::text,
     p_query_id => %(query_id)s::text)
+
+-- name: spark_write_claim
+SELECT {schema}.spark_write_claim(p_write_id => %(write_id)s::text)
