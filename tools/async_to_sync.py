@@ -49,8 +49,9 @@ PHRASES = [
 
 def convert(source: str) -> str:
     # A blocking call the async API runs in a thread is a plain call in the sync one:
-    # ``await asyncio.to_thread(f, a)`` becomes ``f(a)``.
-    text = re.sub(r"await asyncio\.to_thread\(([\w.]+), ", r"\1(", source)
+    # ``await asyncio.to_thread(f, a)`` becomes ``f(a)``, ``await asyncio.to_thread(f)`` ``f()``.
+    text = re.sub(r"await asyncio\.to_thread\(([\w.]+)\)", r"\1()", source)
+    text = re.sub(r"await asyncio\.to_thread\(([\w.]+), ", r"\1(", text)
     for old, new in WORDS:
         text = re.sub(rf"\b{re.escape(old)}\b", new, text)
     for old, new in PHRASES:

@@ -52,18 +52,24 @@ def embedded_dsn(data_dir: str | os.PathLike[str] | None = None) -> str:
     ``embedded_postgres`` (created if missing), and every directory above ``data_dir`` is made
     readable and searchable by others so that this user can reach it. That is why root's
     default data directory is under ``/var/lib`` and not in the home directory."""
-    if data_dir is not None and not _is_path(data_dir):
-        raise InvalidArgumentError(
-            f"data_dir must be None or a path without NUL, got {type(data_dir).__name__}"
-        )
-    path = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
-    path = path.resolve()
+    path = check_data_dir(data_dir)
     with _lock:
         server = _servers.get(path)
         if server is None:
             server = _start(path)
             _servers[path] = server
         return str(server.get_uri())
+
+
+def check_data_dir(data_dir: str | os.PathLike[str] | None) -> Path:
+    """The absolute data directory ``data_dir`` names (the default one for ``None``); a
+    value that is no path raises InvalidArgumentError."""
+    if data_dir is not None and not _is_path(data_dir):
+        raise InvalidArgumentError(
+            f"data_dir must be None or a path without NUL, got {type(data_dir).__name__}"
+        )
+    path = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    return path.resolve()
 
 
 def _is_path(value: object) -> bool:

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from time import monotonic, perf_counter
 from types import TracebackType
 from typing import Any, Self
@@ -29,7 +30,7 @@ from . import archive as _archive
 from . import events as _events
 from . import schedule as _schedule
 from .archive import ArchivedMessage, ReplayResult
-from .embedded import embedded_dsn, resolve_dsn
+from .embedded import check_data_dir, embedded_dsn, resolve_dsn
 from .errors import (
     ChannelFullError,
     InvalidArgumentError,
@@ -242,6 +243,8 @@ class Queue:
         if not isinstance(pool_size, int) or pool_size < 1:
             raise InvalidArgumentError(f"pool_size must be a positive int, got {pool_size!r}")
         self._dsn = dsn
+        # Set by embedded(): the data directory whose server to start at first use.
+        self._data_dir: Path | None = None
         self._pool_size = pool_size
         self._pool_timeout = _core.check_pool_timeout(pool_timeout)
         self._pool: ConnectionPool | None = None
@@ -263,14 +266,17 @@ class Queue:
         pool_size: int = 10,
         pool_timeout: float = DEFAULT_POOL_TIMEOUT_S,
     ) -> Self:
-        """A queue on the embedded PostgreSQL in ``data_dir`` (started if needed)."""
-        return cls(
-            embedded_dsn(data_dir),
+        """A queue on the embedded PostgreSQL in ``data_dir``, which the first call that needs
+        the database starts if it is not running."""
+        queue = cls(
+            None,
             schema=schema,
             event_channel=event_channel,
             pool_size=pool_size,
             pool_timeout=pool_timeout,
         )
+        queue._data_dir = check_data_dir(data_dir)
+        return queue
 
     @property
     def schema(self) -> str:
@@ -281,8 +287,13 @@ class Queue:
     def dsn(self) -> str:
         """The connection string in use (resolved on first use when none was given)."""
         if self._dsn is None:
-            self._dsn = resolve_dsn(None)
+            self._dsn = self._resolve_dsn()
         return self._dsn
+
+    def _resolve_dsn(self) -> str:
+        if self._data_dir is not None:
+            return embedded_dsn(self._data_dir)
+        return resolve_dsn(None)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(schema={self._schema!r})"
@@ -316,7 +327,7 @@ class Queue:
             if self._pool is None:
                 if self._dsn is None:
                     # Starting the embedded server takes seconds: off the event loop, if any.
-                    self._dsn = resolve_dsn(None)
+                    self._dsn = self._resolve_dsn()
                 self._probe()
                 pool = ConnectionPool(
                     self.dsn,

@@ -114,7 +114,11 @@ LOOP_TICKS = textwrap.dedent(
 
         ticker = asyncio.create_task(tick())
         await asyncio.sleep(0.05)  # the ticker is running
-        async with AsyncQueue() as queue:
+        if sys.argv[1] == "classmethod":
+            queue = AsyncQueue.embedded(sys.argv[2])
+        else:
+            queue = AsyncQueue()
+        async with queue:
             await queue.install()
         elapsed = time.monotonic() - started
         done.set()
@@ -126,13 +130,17 @@ LOOP_TICKS = textwrap.dedent(
 )
 
 
-def test_an_async_queue_starts_the_embedded_server_off_the_event_loop(tmp_path: Path) -> None:
-    """With no DSN the first call starts the embedded server (seconds on a new data
-    directory): the event loop keeps running meanwhile."""
+@pytest.mark.own_server
+@pytest.mark.parametrize("made_by", ["no_dsn", "classmethod"])
+def test_an_async_queue_starts_the_embedded_server_off_the_event_loop(
+    tmp_path: Path, made_by: str
+) -> None:
+    """With no DSN, or from AsyncQueue.embedded(), the first call starts the embedded server
+    (seconds on a new data directory): the event loop keeps running meanwhile."""
     env = {k: v for k, v in os.environ.items() if k != "LONNYMQ_DSN"}
     env["LONNYMQ_DATA_DIR"] = str(tmp_path / "data")
     done = subprocess.run(
-        [sys.executable, "-c", LOOP_TICKS],
+        [sys.executable, "-c", LOOP_TICKS, made_by, str(tmp_path / "own")],
         check=False,
         capture_output=True,
         text=True,
