@@ -1,9 +1,9 @@
 """The schema's history: numbered migrations in ``sql/migrations/NNNN_name.sql``.
 
-Each migration runs once, in order, inside one transaction that holds an advisory lock for
-the target schema (so concurrent installs wait for each other), and is recorded in the
-schema's ``migration`` table. A released migration is never edited; change comes as a new
-file. Nothing here does I/O: the queues run these statements.
+Each migration runs once, in order, and is recorded in the schema's ``migration`` table; an
+install runs all those missing in one transaction that holds an advisory lock for the target
+schema (so concurrent installs wait for each other). A released migration is never edited;
+change comes as a new file. Nothing here does I/O: the queues run these statements.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from importlib import resources
 
 from psycopg import sql
 
-__all__ = ["Migration", "migrations", "script"]
+__all__ = ["Migration", "migrations", "pending", "script"]
 
 _NAME_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -44,6 +44,31 @@ def migrations() -> tuple[Migration, ...]:
         found.append(Migration(int(match[1]), match[2], entry.read_text("utf-8")))
     found.sort(key=lambda m: m.version)
     return tuple(found)
+
+
+# The statement that ends every migration since 0012_security that creates or replaces
+# functions: it secures every function the schema holds, whoever created it, and re-applies
+# the grants (idempotent).
+SECURE_CALL = "SELECT secure_functions();"
+
+
+def pending(from_version: int) -> list[tuple[Migration, str]]:
+    """The migrations after ``from_version``, each with the SQL to run for it when they all run
+    in one transaction, in order.
+
+    ``secure_functions()`` runs once, at the end of the last of them that calls it, instead of
+    after each: it secures the whole schema, so the result is the same, and nobody sees the
+    state in between (some 50 ms a call, most of a fresh install's time before)."""
+    todo = [m for m in migrations() if m.version > from_version]
+    securing = [i for i, m in enumerate(todo) if m.sql.rstrip().endswith(SECURE_CALL)]
+    last = securing[-1] if securing else -1
+    out = []
+    for i, migration in enumerate(todo):
+        text = migration.sql
+        if i in securing and i != last:
+            text = text.rstrip()[: -len(SECURE_CALL)] + "\n"
+        out.append((migration, text))
+    return out
 
 
 def latest_version() -> int:
@@ -105,12 +130,10 @@ def script(schema: str, *, from_version: int = 0) -> str:
         .as_string()
     )
     parts.extend(s.as_string() + ";" for s in prepare_statements(schema))
-    for migration in migrations():
-        if migration.version <= from_version:
-            continue
+    for migration, text in pending(from_version):
         parts.append(f"-- migration {migration.version:04d}_{migration.name}")
         parts.append(search_path_statement(schema).as_string() + ";")
-        parts.append(migration.sql.strip())
+        parts.append(text.strip())
         parts.append(record_statement(schema, migration).as_string() + ";")
     parts.append("COMMIT;")
     return "\n".join(parts) + "\n"

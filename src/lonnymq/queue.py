@@ -453,11 +453,9 @@ class Queue:
                 f"schema {self._schema!r} is at version {current}, newer than this "
                 f"lonnymq knows ({latest}): upgrade the lonnymq package"
             )
-        for migration in migrate.migrations():
-            if migration.version <= current:
-                continue
+        for migration, text in migrate.pending(current):
             conn.execute(migrate.search_path_statement(self._schema))
-            conn.execute(migration.sql.encode())
+            conn.execute(text.encode())
             conn.execute(migrate.record_statement(self._schema, migration))
             current = migration.version
         return current

@@ -456,11 +456,9 @@ class AsyncQueue:
                 f"schema {self._schema!r} is at version {current}, newer than this "
                 f"lonnymq knows ({latest}): upgrade the lonnymq package"
             )
-        for migration in migrate.migrations():
-            if migration.version <= current:
-                continue
+        for migration, text in migrate.pending(current):
             await conn.execute(migrate.search_path_statement(self._schema))
-            await conn.execute(migration.sql.encode())
+            await conn.execute(text.encode())
             await conn.execute(migrate.record_statement(self._schema, migration))
             current = migration.version
         return current

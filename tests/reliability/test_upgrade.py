@@ -34,6 +34,55 @@ def install_up_to(conn: Conn, schema: str, version: int) -> None:
             conn.execute(migrate.record_statement(schema, migration))
 
 
+def _catalog(conn: Conn, schema: str) -> dict[str, list[tuple[Any, ...]]]:
+    """What a schema holds, as the catalogs describe it, with its name written as ``S``."""
+    # channel_key's body holds a number drawn from the schema's name: its text is left out.
+    functions = conn.execute(
+        """SELECT p.proname, pg_get_function_identity_arguments(p.oid), p.prosecdef,
+                  p.proconfig::text, p.proacl::text, p.provolatile, p.prokind,
+                  CASE WHEN p.proname <> 'channel_key' THEN md5(replace(p.prosrc, %s, 'S')) END
+           FROM pg_proc p WHERE p.pronamespace = %s::regnamespace ORDER BY 1, 2""",
+        (schema, schema),
+    ).fetchall()
+    relations = conn.execute(
+        """SELECT c.relname, c.relkind, c.relacl::text,
+                  (SELECT array_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
+                                    ORDER BY a.attnum)
+                   FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0
+                     AND NOT a.attisdropped)::text
+           FROM pg_class c WHERE c.relnamespace = %s::regnamespace ORDER BY 1""",
+        (schema,),
+    ).fetchall()
+    space = conn.execute(
+        "SELECT nspacl::text FROM pg_namespace WHERE nspname = %s", (schema,)
+    ).fetchall()
+
+    def named(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        return [
+            tuple(v.replace(schema, "S") if isinstance(v, str) else v for v in row) for row in rows
+        ]
+
+    return {"functions": named(functions), "relations": named(relations), "schema": space}
+
+
+def test_an_install_equals_the_migrations_run_one_by_one(
+    dsn: str, schema_name: str, other_schema: str, admin: Conn
+) -> None:
+    """install() runs secure_functions() once for all its migrations, not after each: the
+    schema it leaves is the one every migration run in full leaves."""
+    with Queue(dsn, schema=schema_name) as queue:
+        queue.install()
+    install_up_to(admin, other_schema, migrate.latest_version())
+    installed, one_by_one = _catalog(admin, schema_name), _catalog(admin, other_schema)
+    assert len(installed["functions"]) > 50
+    assert all(row[2] for row in installed["functions"] if row[0] != "channel_key")
+    assert installed == one_by_one
+    script = migrate.script("x")
+    assert script.count(migrate.SECURE_CALL) == 1  # the last migration's
+    from_30 = migrate.script("x", from_version=30)
+    assert from_30.count(migrate.SECURE_CALL) == 1
+
+
 class OldConsumer:
     """A consumer written against the first schema: ``message_dequeue`` and
     ``message_delete`` called in plain SQL, one message at a time."""
