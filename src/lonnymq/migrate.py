@@ -50,6 +50,8 @@ def migrations() -> tuple[Migration, ...]:
 # functions: it secures every function the schema holds, whoever created it, and re-applies
 # the grants (idempotent).
 SECURE_CALL = "SELECT secure_functions();"
+# That statement as a migration's last line (a comment that ends with the same words is not).
+_SECURE_END = re.compile(r"^SELECT secure_functions\(\);\s*\Z", re.MULTILINE)
 
 
 def pending(from_version: int) -> list[tuple[Migration, str]]:
@@ -60,13 +62,13 @@ def pending(from_version: int) -> list[tuple[Migration, str]]:
     after each: it secures the whole schema, so the result is the same, and nobody sees the
     state in between (some 50 ms a call, most of a fresh install's time before)."""
     todo = [m for m in migrations() if m.version > from_version]
-    securing = [i for i, m in enumerate(todo) if m.sql.rstrip().endswith(SECURE_CALL)]
+    securing = [i for i, m in enumerate(todo) if _SECURE_END.search(m.sql)]
     last = securing[-1] if securing else -1
     out = []
     for i, migration in enumerate(todo):
         text = migration.sql
         if i in securing and i != last:
-            text = text.rstrip()[: -len(SECURE_CALL)] + "\n"
+            text = _SECURE_END.sub("", text)
         out.append((migration, text))
     return out
 

@@ -285,7 +285,9 @@ class Queue:
 
     @property
     def dsn(self) -> str:
-        """The connection string in use (resolved on first use when none was given)."""
+        """The connection string in use. With none given it is resolved when first needed:
+        read before the first call, it starts the embedded server (if that is where it points)
+        in this thread, blocking it while the server starts."""
         if self._dsn is None:
             self._dsn = self._resolve_dsn()
         return self._dsn

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -20,13 +22,15 @@ OLD_LOCK_MS = 60_000
 Conn = psycopg.Connection[Any]
 
 
-def install_up_to(conn: Conn, schema: str, version: int) -> None:
-    """Apply migrations 1..``version`` the way ``Queue.install`` applies them all."""
+def install_up_to(conn: Conn, schema: str, version: int, *, after: int = 0) -> None:
+    """Apply migrations ``after``+1..``version`` in one transaction, each in full."""
     with conn.transaction():
         conn.execute(migrate.lock_statement(), {"schema": schema})
         for statement in migrate.prepare_statements(schema):
             conn.execute(statement)
         for migration in migrate.migrations():
+            if migration.version <= after:
+                continue
             if migration.version > version:
                 break
             conn.execute(migrate.search_path_statement(schema))
@@ -65,22 +69,48 @@ def _catalog(conn: Conn, schema: str) -> dict[str, list[tuple[Any, ...]]]:
     return {"functions": named(functions), "relations": named(relations), "schema": space}
 
 
+@pytest.mark.parametrize("from_version", [0, 12, 23])
 def test_an_install_equals_the_migrations_run_one_by_one(
-    dsn: str, schema_name: str, other_schema: str, admin: Conn
+    dsn: str, schema_name: str, other_schema: str, admin: Conn, from_version: int
 ) -> None:
     """install() runs secure_functions() once for all its migrations, not after each: the
-    schema it leaves is the one every migration run in full leaves."""
-    with Queue(dsn, schema=schema_name) as queue:
-        queue.install()
-    install_up_to(admin, other_schema, migrate.latest_version())
-    installed, one_by_one = _catalog(admin, schema_name), _catalog(admin, other_schema)
+    schema it leaves (a fresh one, or one upgraded with roles granted) is the one every
+    migration run in full leaves."""
+    latest = migrate.latest_version()
+    roles = {kind: f"lmq_up_{kind}_{uuid.uuid4().hex[:8]}" for kind in ("producer", "worker")}
+    try:
+        for role in roles.values():
+            admin.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+        if from_version:
+            for schema in (schema_name, other_schema):
+                install_up_to(admin, schema, from_version)
+                for kind, role in roles.items():
+                    admin.execute(
+                        sql.SQL("SELECT {}.role_grant(%s, %s)").format(sql.Identifier(schema)),
+                        (role, kind),
+                    )
+        with Queue(dsn, schema=schema_name) as queue:
+            queue.install()
+        install_up_to(admin, other_schema, latest, after=from_version)
+        installed, one_by_one = _catalog(admin, schema_name), _catalog(admin, other_schema)
+    finally:
+        for role in roles.values():
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
     assert len(installed["functions"]) > 50
     assert all(row[2] for row in installed["functions"] if row[0] != "channel_key")
+    if from_version:
+        granted = [row for row in installed["functions"] if roles["worker"] in (row[4] or "")]
+        assert len(granted) > 5
     assert installed == one_by_one
-    script = migrate.script("x")
-    assert script.count(migrate.SECURE_CALL) == 1  # the last migration's
-    from_30 = migrate.script("x", from_version=30)
-    assert from_30.count(migrate.SECURE_CALL) == 1
+    calls = re.compile(r"^SELECT secure_functions\(\);$", re.MULTILINE)
+    assert len(calls.findall(migrate.script("x", from_version=from_version))) == 1
+
+
+def test_only_a_migrations_last_statement_counts_as_its_call_to_secure_functions() -> None:
+    comment = "-- nothing to secure here, so no SELECT secure_functions();\n"
+    assert migrate._SECURE_END.search("SELECT 1;\n" + comment) is None
+    assert migrate._SECURE_END.search("SELECT 1;\nSELECT secure_functions();\n\n") is not None
 
 
 class OldConsumer:
