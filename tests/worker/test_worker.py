@@ -146,10 +146,17 @@ def test_a_dead_letter_message_that_fails_for_good_is_not_moved_again(
     # into their own channel would make a new message to fail each time.
     queue = make_queue(archive=True)
     queue.channel("dead").set_policy(max_concurrency=0)
-    worker = Worker(queue, _always_fails, max_attempts=1, dead_letter_channel="dead")
+    worker = Worker(queue, _always_fails, max_attempts=1, dead_letter_channel="dead", idle_ms=100)
     thread = threading.Thread(target=worker.run, kwargs={"handle_signals": False})
     thread.start()
     try:
+        # Once the worker dequeues, it has checked that the channel was paused (unpaused
+        # before that, run() refuses to start: a loaded machine got there first once).
+        started = time.monotonic() + 30
+        while not any(op.name == "message_dequeue_many" for op in queue.operation_stats()):
+            assert thread.is_alive(), "run() ended before it dequeued"
+            assert time.monotonic() < started, "the worker did not start"
+            time.sleep(0.01)
         queue.channel("dead").clear_policy()
         created = queue.create(b"old poison", channel="dead")
         deadline = time.monotonic() + 30
