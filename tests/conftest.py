@@ -123,6 +123,13 @@ def churn(admin: psycopg.Connection[Any]) -> Callable[[Queue, int, int], None]:
     next reader of pg_stat_* counts the dead row versions left behind."""
 
     def run(queue: Queue, messages: int, channels: int) -> None:
+        # Autovacuum (the embedded server runs it) must not clean up behind the test's back.
+        for table in ("channel", "message"):
+            admin.execute(
+                sql.SQL("ALTER TABLE {}.{} SET (autovacuum_enabled = false)").format(
+                    sql.Identifier(queue.schema), sql.Identifier(table)
+                )
+            )
         queue.create_many(
             [NewMessage(b"x", channel=f"c{i % channels}") for i in range(messages)], conn=admin
         )

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 from lonnymq.migrate import latest_version
 
@@ -258,16 +257,9 @@ def test_policy_set_show_clear(dsn: str, schema_name: str) -> None:
 
 
 def test_maintain_vacuums_what_needs_it(
-    dsn: str, make_queue: Any, churn: Callable[[Any, int, int], None], admin: Any
+    dsn: str, make_queue: Any, churn: Callable[[Any, int, int], None]
 ) -> None:
     queue = make_queue()
-    # Autovacuum (the embedded server runs it) once got to the churned tables first.
-    for table in ("channel", "message"):
-        admin.execute(
-            sql.SQL("ALTER TABLE {}.{} SET (autovacuum_enabled = false)").format(
-                sql.Identifier(queue.schema), sql.Identifier(table)
-            )
-        )
     assert json.loads(_run_in(dsn, queue.schema, "maintain", "--json").stdout) == {"vacuumed": []}
     churn(queue, 3_000, 600)
     done = _run_in(dsn, queue.schema, "maintain")

@@ -158,7 +158,7 @@ def test_worker_serves_metrics_and_stops_cleanly_on_sigterm(
             found = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line)
             port = int(found[1]) if found else None
         body = ""
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while 'event="completed"} 2' not in body and time.monotonic() < deadline:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as response:
                 body = response.read().decode()

@@ -168,7 +168,7 @@ def test_second_session_rides_along_while_the_row_is_held(
         assert first.id == ids[0]
         taken, best = timed_dequeues(queue, 3)
         assert [m.id for m in taken] == ids[1:4]
-        assert best < 0.05  # no poll: a policy channel waits ~0.1 s for its row
+        assert best < 0.09  # no poll: a policy channel waits at least 0.1 s for its row
         rest = queue.dequeue_many(10, lock_ms=LOCK_MS)
         assert [m.id for m in rest] == ids[4:]
         assert queue.dequeue(lock_ms=LOCK_MS) is None
@@ -442,7 +442,9 @@ def test_create_many_stops_at_the_callers_lock_timeout_changing_nothing(
     assert queue.verify() == []
 
 
-def test_ride_along_leaves_a_channel_whose_policy_is_being_set(dsn: str, queue: Queue) -> None:
+def test_ride_along_leaves_a_channel_whose_policy_is_being_set(
+    dsn: str, queue: Queue, admin: Conn
+) -> None:
     """While a policy is being set (it waits for the channel's row, held by A), B does not take
     messages behind its back: the policy counts the channel exactly once it is in place."""
     for i in range(4):
@@ -450,7 +452,15 @@ def test_ride_along_leaves_a_channel_whose_policy_is_being_set(dsn: str, queue: 
     with _session(dsn) as session_a:
         assert queue.dequeue(lock_ms=LOCK_MS, conn=session_a) is not None
         setter = _Background(lambda: queue.channel("hot").set_policy(max_concurrency=2))
-        time.sleep(0.05)  # the setter now holds the channel's exclusive lock, waiting for A
+        # Once the setter waits for A's row it holds the channel's exclusive lock (a fixed
+        # sleep was too short on a loaded machine).
+        deadline = time.monotonic() + 30
+        waiting = "SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock'" + (
+            " AND query LIKE '%%channel_policy_set%%'"
+        )
+        while admin.execute(waiting).fetchone() is None:
+            assert time.monotonic() < deadline, "the policy setter never waited for A"
+            time.sleep(0.01)
         assert setter.is_alive()
         assert queue.dequeue(lock_ms=LOCK_MS) is None
         session_a.commit()
@@ -487,7 +497,7 @@ def test_many_threads_drain_one_hot_channel_exactly_once(
     false_empties: list[tuple[int, int | None, int]] = []
     retry_now: list[int] = []
     calls = Counter[str]()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120
 
     def consume() -> None:
         with psycopg.connect(dsn, autocommit=True) as probe:

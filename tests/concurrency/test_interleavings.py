@@ -74,7 +74,7 @@ def test_policy_free_channel_is_served_behind_a_long_transaction(
         assert taken.content == b"first"
         others, best = timed_dequeues(queue, 3)
         assert [m.content for m in others] == [b"second", b"third", b"fourth"]
-        assert best < 0.05  # well under the ~0.1 s a channel with a policy polls for its row
+        assert best < 0.09  # under the 0.1 s at least that a channel with a policy polls
         session_a.commit()
     fifth = queue.dequeue(lock_ms=LOCK_MS)
     assert fifth is not None

@@ -150,4 +150,7 @@ def test_an_async_queue_starts_the_embedded_server_off_the_event_loop(
     assert done.returncode == 0, done.stderr
     elapsed, longest_gap = (float(x) for x in done.stdout.split())
     assert elapsed > 0.5  # the server did start (a new data directory takes seconds)
-    assert longest_gap < 0.25, f"the loop stood still {longest_gap:.3f} s of {elapsed:.3f} s"
+    # Blocked, the loop stands still for the whole start; a loaded machine may pause it a bit.
+    assert longest_gap < max(0.25, elapsed / 3), (
+        f"the loop stood still {longest_gap:.3f} s of {elapsed:.3f} s"
+    )

@@ -214,14 +214,25 @@ def test_wait_returns_when_the_message_finishes(make_queue: Callable[..., Queue]
 
 def test_events_iterates_what_the_queue_publishes(make_queue: Callable[..., Queue]) -> None:
     queue = make_queue(event_channel="ev_test")
-    events = queue.events(timeout=5)
+    events = queue.events(timeout=30)
     received = []
-    timer = threading.Timer(0.3, lambda: queue.create(b"e", channel="evc"))
-    timer.start()
-    for event in events:
-        received.append(event)
-        break
-    timer.join()
+    stop = threading.Event()
+
+    def produce() -> None:
+        # events() listens from its first iteration on: on a loaded machine that may come
+        # after a first create, so create again until one is seen.
+        while not stop.wait(0.2):
+            queue.create(b"e", channel="evc")
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        for event in events:
+            received.append(event)
+            break
+    finally:
+        stop.set()
+        producer.join()
     assert [(e.type, e.channel) for e in received] == [("created", "evc")]
 
 

@@ -286,6 +286,10 @@ def test_long_handler_keeps_its_lock_through_heartbeats(
     stolen: list[Message | None] = []
 
     def thief() -> None:
+        # Two lock lengths into the handler's run (not the worker's start, slow when loaded).
+        deadline = time.monotonic() + 30
+        while not runs and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(1.0)
         stolen.append(other.dequeue(lock_ms=1_000))
 
