@@ -46,11 +46,9 @@ def migrations() -> tuple[Migration, ...]:
     return tuple(found)
 
 
-# The statement that ends every migration since 0012_security that creates or replaces
-# functions: it secures every function the schema holds, whoever created it, and re-applies
-# the grants (idempotent).
-SECURE_CALL = "SELECT secure_functions();"
-# That statement as a migration's last line (a comment that ends with the same words is not).
+# The last line of every migration since 0012_security that creates or replaces functions:
+# it secures every function the schema holds, whoever created it, and re-applies the grants
+# (idempotent). Only that line counts (a comment that ends with the same words does not).
 _SECURE_END = re.compile(r"^SELECT secure_functions\(\);\s*\Z", re.MULTILINE)
 
 
