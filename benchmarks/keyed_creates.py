@@ -28,6 +28,8 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
+from lonnymq.bench import drop_schemas
+
 INSTALL = """
 import sys
 from lonnymq import Queue
@@ -97,9 +99,7 @@ def main() -> None:
         if not (tree / "src" / "lonnymq").is_dir():
             parser.error(f"{tree} is no lonnymq checkout (no src/lonnymq)")
     schemas = {name: f"{args.prefix}_{name}" for name in trees}
-    with psycopg.connect(args.dsn, autocommit=True) as conn:
-        for schema in schemas.values():
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+    drop_schemas(args.dsn, *schemas.values())
     for name, tree in trees.items():
         _install(tree, args.dsn, schemas[name])
     batch: dict[tuple[str, int], list[float]] = {}
@@ -117,9 +117,7 @@ def main() -> None:
                 singles[name].append(rate)
                 print(f"round {round_no + 1} {name}: singles {rate:,.0f}/s", flush=True)
     finally:
-        with psycopg.connect(args.dsn, autocommit=True) as conn:
-            for schema in schemas.values():
-                conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(schema)))
+        drop_schemas(args.dsn, *schemas.values())
     for size in sizes:
         a, b = (statistics.median(batch[(n, size)]) for n in ("a", "b"))
         print(f"batch of {size:,} keys: a {a:.2f} s, b {b:.2f} s (b/a {b / a:.2f})")
