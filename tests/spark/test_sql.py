@@ -245,6 +245,83 @@ def test_a_sink_id_belongs_to_the_first_query_that_claims_it(queue: Queue, admin
     assert owners == [("orders", "q1"), ("refunds", "q2")]
 
 
+def test_a_consumer_belongs_to_the_checkpoint_that_last_took_it_over(
+    queue: Queue, admin: Conn
+) -> None:
+    schema = queue.schema
+    for i in range(6):
+        queue.create(f"m{i}".encode(), channel="c")
+
+    def claim(owner: str | None, batch: int, take_over: bool = False) -> None:
+        params = {"consumer": "k", "owner": owner, "batch": batch, "take_over": take_over}
+        _call(admin, schema, "spark_consumer_claim", params)
+
+    def plan(start: int) -> tuple[Any, ...]:
+        params = {"consumer": "k", "start": start, "limit": 2, "lock_ms": 60_000, "max_id": None}
+        return _call(admin, schema, "spark_batch_plan", params)[0]
+
+    def held() -> list[int]:
+        query = "SELECT count(*) FROM {schema}.message WHERE is_locked"
+        return [int(r[0]) for r in admin.execute(sql.SQL(query).format(schema=ident)).fetchall()]
+
+    def owner_row() -> tuple[Any, ...] | None:
+        query = "SELECT owner, committed FROM {schema}.spark_consumer WHERE consumer = 'k'"
+        return admin.execute(sql.SQL(query).format(schema=ident)).fetchone()
+
+    ident = sql.Identifier(schema)
+    claim("a", 0, take_over=True)  # checkpoint a's first plan
+    assert plan(0)[:2] == (1, 2)
+    claim("a", 1)  # a's commit of batch 1, then its next plan
+    assert plan(1)[:2] == (2, 2)
+    claim("a", 1)  # a restart of a replays batch 2 from batch 1
+    assert owner_row() == ("a", 1)
+    # Another checkpoint's offsets (b at batch 5): refused before they finish a's batch 2.
+    with pytest.raises(psycopg.Error, match="consumer k belongs to another streaming query"):
+        claim("b", 5)
+    # An older copy of a's checkpoint (at batch 0, behind the 1 a committed): refused.
+    with pytest.raises(psycopg.Error, match="is at batch 0, behind batch 1"):
+        claim("a", 0)
+    # A checkpoint from before owners, restarted after a claimed the consumer: refused.
+    with pytest.raises(psycopg.Error, match="belongs to another streaming query"):
+        claim(None, 2)
+    assert held() == [2]
+    assert owner_row() == ("a", 1)
+    # A new checkpoint takes the consumer over; its first plan gives a's batch 2 back.
+    claim("b", 0, take_over=True)
+    assert owner_row() == ("b", 0)
+    assert plan(0)[:2] == (1, 2)
+    assert held() == [2]
+    with pytest.raises(psycopg.Error, match="belongs to another streaming query"):
+        claim("a", 2)  # a restarted now
+    claim("b", 1)
+    assert owner_row() == ("b", 1)
+    for bad, message in [
+        ({"owner": "", "batch": 0, "take_over": False}, "owner must be NULL or 1 to 255"),
+        ({"owner": "b", "batch": -1, "take_over": False}, "batch must be between 0"),
+        ({"owner": "b", "batch": 3, "take_over": True}, "take_over must be TRUE only at batch 0"),
+        ({"owner": "b", "batch": 3, "take_over": None}, "take_over must be TRUE only at batch 0"),
+    ]:
+        with pytest.raises(psycopg.Error, match=message):
+            _call(admin, schema, "spark_consumer_claim", {"consumer": "k", **bad})
+    with pytest.raises(psycopg.Error, match="consumer must be 1 to 255 characters"):
+        _call(
+            admin,
+            schema,
+            "spark_consumer_claim",
+            {"consumer": "", "owner": "b", "batch": 0, "take_over": False},
+        )
+    assert owner_row() == ("b", 1)
+
+
+def test_a_checkpoint_from_before_owners_keeps_its_consumer(queue: Queue, admin: Conn) -> None:
+    # Offsets written before migration 0032 name no owner: the first claim records it as such.
+    params = {"consumer": "old", "owner": None, "batch": 7, "take_over": False}
+    _call(admin, queue.schema, "spark_consumer_claim", params)
+    _call(admin, queue.schema, "spark_consumer_claim", {**params, "batch": 8})
+    with pytest.raises(psycopg.Error, match="is at batch 7, behind batch 8"):
+        _call(admin, queue.schema, "spark_consumer_claim", params)
+
+
 def _install_up_to(admin: Conn, schema: str, version: int) -> None:
     """Apply migrations 1..``version`` as install() applies them all."""
     with admin.transaction():

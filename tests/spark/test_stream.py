@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -511,3 +512,36 @@ def test_available_now_leaves_paused_held_and_later_messages_without_hanging(
     assert _ids(admin, queue.schema, "SELECT id FROM {schema}.message WHERE num_attempts > 0") == [
         min(held)
     ]
+
+
+@pytest.mark.slow
+def test_a_consumer_belongs_to_the_checkpoint_that_last_took_it_over(
+    spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any], tmp_path: Path
+) -> None:
+    # A query from another checkpoint, or from an older copy of this one, counted batches on
+    # its own: its plans finished the batches the consumer's checkpoint had planned, unread.
+    opts = {**options, "consumer": "owned"}
+    first = _fill(queue, 30)
+    delivered, _ = _drain_available_now(spark, opts, tmp_path / "a")
+    assert sorted(delivered) == sorted(first)
+    shutil.copytree(tmp_path / "a", tmp_path / "a-copy")  # at batch 3
+    second = _fill(queue, 20)
+    delivered, _ = _drain_available_now(spark, opts, tmp_path / "a")  # on to batch 5
+    assert sorted(delivered) == sorted(second)
+
+    waiting = _fill(queue, 12)
+
+    def refused(checkpoint: str, message: str) -> None:
+        with pytest.raises(StreamingQueryException, match=message):
+            _drain_available_now(spark, opts, tmp_path / checkpoint)
+        assert set(_ids(admin, queue.schema, "SELECT id FROM {schema}.message")) == waiting
+        assert _ids(admin, queue.schema, "SELECT id FROM {schema}.message WHERE is_locked") == []
+
+    refused("a-copy", "is at batch 3, behind batch 5 that the consumer has already committed")
+    # A new checkpoint takes the consumer over; then the old one is refused.
+    delivered, _ = _drain_available_now(spark, opts, tmp_path / "b")
+    assert sorted(delivered) == sorted(waiting)
+    waiting = _fill(queue, 5)
+    refused("a", "consumer owned belongs to another streaming query checkpoint")
+    delivered, _ = _drain_available_now(spark, opts, tmp_path / "b")
+    assert sorted(delivered) == sorted(waiting)

@@ -207,8 +207,12 @@ class ConsumerRunner:
         )
         self._thread.start()
 
-    def plan(self, start: int, limit: int, max_id: int | None) -> tuple[int, int]:
-        """Ack batches <= start, release later ones, plan batch start+1: (batch_no, size)."""
+    def plan(
+        self, start: int, limit: int, max_id: int | None, owner: str | None, take_over: bool
+    ) -> tuple[int, int]:
+        """Ack batches <= start, release later ones, plan batch start+1: (batch_no, size).
+        ``owner`` is the checkpoint's (see :meth:`claim`); ``take_over``: a new checkpoint's
+        first plan, which makes the consumer its own."""
         params = {
             "consumer": self._opts.consumer,
             "start": start,
@@ -216,8 +220,7 @@ class ConsumerRunner:
             "lock_ms": self._opts.lock_ms,
             "max_id": max_id,
         }
-        with self._turn:
-            rows = _db.run(self._db, self._opts.conn.schema, "spark_batch_plan", params)
+        rows = self._claimed("spark_batch_plan", params, owner, start, take_over)
         batch_no, size, acked, released = rows[0]
         if acked or released or size:
             log.debug(
@@ -230,12 +233,37 @@ class ConsumerRunner:
             )
         return int(batch_no), int(size)
 
-    def ack(self, batch_no: int) -> int:
+    def ack(self, batch_no: int, owner: str | None) -> int:
         """Finish the messages of batches <= batch_no; returns how many."""
         params = {"consumer": self._opts.consumer, "batch_no": batch_no}
-        with self._turn:
-            rows = _db.run(self._db, self._opts.conn.schema, "spark_batch_ack", params)
+        rows = self._claimed("spark_batch_ack", params, owner, batch_no)
         return int(rows[0][0])
+
+    def claim(self, owner: str | None, committed: int) -> None:
+        """Refuse (InvalidArgumentError) unless the checkpoint whose offsets name ``owner``
+        (None: offsets from before migration 0032) may use the consumer, having committed up to
+        batch ``committed``: the consumer belongs to the checkpoint that last took it over."""
+        self._claimed(None, {}, owner, committed)
+
+    def _claimed(
+        self,
+        name: str | None,
+        params: dict[str, Any],
+        owner: str | None,
+        committed: int,
+        take_over: bool = False,
+    ) -> list[tuple[Any, ...]]:
+        """Claim the consumer, then run statement ``name``, in one transaction."""
+        claim = {
+            "consumer": self._opts.consumer,
+            "owner": owner,
+            "batch": committed,
+            "take_over": take_over,
+        }
+        schema = self._opts.conn.schema
+        with self._turn, _db.translated(schema), self._db.transaction():
+            _db.run(self._db, schema, "spark_consumer_claim", claim)
+            return [] if name is None else _db.run(self._db, schema, name, params)
 
     def max_id(self) -> int | None:
         """The largest message id now (the horizon of Trigger.AvailableNow)."""

@@ -204,7 +204,11 @@ class BatchSlice(InputPartition):
 
 
 class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Offsets are ``{"batch": N}``: the consumer's planned-batch counter."""
+    """Offsets are ``{"batch": N, "owner": T}``: the consumer's planned-batch counter, and the
+    token of the checkpoint they belong to. ``initialOffset`` must be pure (Spark calls it
+    again to replay a first batch), so it names no owner: the first plan from it is a new
+    checkpoint's, which takes the consumer over under a token made by this reader, and every
+    offset planned after names it. Offsets from before migration 0032 name none (None)."""
 
     def __init__(self, opts: StreamReadOptions) -> None:
         self._opts = opts
@@ -212,6 +216,7 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._max_id: int | None = None
         self._started_at: int | None = None
         self._available_now = False
+        self._token: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Executors get the options only: never a connection or a thread.
@@ -221,6 +226,7 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             "_max_id": None,
             "_started_at": None,
             "_available_now": False,
+            "_token": None,
         }
 
     def _consumer(self) -> _read.ConsumerRunner:
@@ -228,7 +234,19 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._runner = _read.ConsumerRunner(self._opts)
         return self._runner
 
-    def initialOffset(self) -> dict[str, int]:
+    def _owner(self, start: dict[str, Any]) -> tuple[str | None, bool]:
+        """The checkpoint's owner token for a plan after ``start``, and whether that plan takes
+        the consumer over (the first plan of a new checkpoint)."""
+        owner = start.get("owner")
+        if owner is not None:
+            return str(owner), False
+        if int(start["batch"]) != 0:
+            return None, False  # a checkpoint from before owners
+        if self._token is None:
+            self._token = uuid.uuid4().hex
+        return self._token, True
+
+    def initialOffset(self) -> dict[str, Any]:
         return {"batch": 0}
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -241,24 +259,29 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._started_at = consumer.clock()
         self._max_id = consumer.max_id()
 
-    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         if isinstance(limit, ReadMaxRows):
             wanted = max(1, min(limit.max_rows, MAX_MESSAGES_PER_BATCH))
         elif isinstance(limit, ReadAllAvailable):
             wanted = MAX_MESSAGES_PER_BATCH
         else:
             wanted = self._opts.max_messages
+        begin = int(start["batch"])
+        owner, take_over = self._owner(start)
         if self._available_now and self._max_id is None:
             # The queue was empty when the run started: nothing is available now. Still
-            # finish the batch Spark has just committed.
-            self._consumer().ack(int(start["batch"]))
-            return {"batch": int(start["batch"])}
-        batch_no, size = self._consumer().plan(int(start["batch"]), wanted, self._max_id)
+            # finish the batch Spark has just committed (a new checkpoint has none).
+            if not take_over:
+                self._consumer().ack(begin, owner)
+            return start
+        batch_no, size = self._consumer().plan(begin, wanted, self._max_id, owner, take_over)
         if size == 0 and self._available_now:
-            batch_no = self._wait_and_plan(int(start["batch"]), wanted)
-        return {"batch": batch_no}
+            batch_no = self._wait_and_plan(begin, wanted, owner, take_over)
+        if batch_no == begin:
+            return start  # nothing planned: the same offset
+        return {"batch": batch_no} if owner is None else {"batch": batch_no, "owner": owner}
 
-    def _wait_and_plan(self, start: int, wanted: int) -> int:
+    def _wait_and_plan(self, start: int, wanted: int, owner: str | None, take_over: bool) -> int:
         """Trigger.AvailableNow, after a plan that found nothing: while messages up to the
         horizon, due when the run started, are held back only by their channel's policy
         (release_interval_ms, or max_concurrency slots taken), wait until the first may leave
@@ -281,15 +304,19 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 time.sleep(_MAX_SLEEP_S)  # then look again
                 continue
             time.sleep(wait)
-            batch_no, size = consumer.plan(start, wanted, self._max_id)
+            batch_no, size = consumer.plan(start, wanted, self._max_id, owner, take_over)
             if size > 0:
                 return batch_no
 
-    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
-        self._consumer()  # a replay after a restart starts here: take the consumer, heartbeat
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        consumer = self._consumer()  # a replay after a restart starts here: heartbeat
         after, upto = int(start["batch"]), int(end["batch"])
         if upto <= after:
             return []
+        # Before any task reads the batches: are they this checkpoint's? (A replay of a first
+        # batch starts from initialOffset, which names no owner; its end does.)
+        owner = end.get("owner")
+        consumer.claim(None if owner is None else str(owner), after)
         slices = self._opts.partitions
         return [BatchSlice(after, upto, index, slices) for index in range(slices)]
 
@@ -299,8 +326,9 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._opts, partition.after, partition.upto, partition.index, partition.slices
         )
 
-    def commit(self, end: dict[str, int]) -> None:
-        self._consumer().ack(int(end["batch"]))
+    def commit(self, end: dict[str, Any]) -> None:
+        owner = end.get("owner")
+        self._consumer().ack(int(end["batch"]), None if owner is None else str(owner))
 
     def stop(self) -> None:
         if self._runner is not None:

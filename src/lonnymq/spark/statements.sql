@@ -37,6 +37,13 @@ SELECT {schema}.spark_sink_prune(
 -- name: spark_consumer_lock
 SELECT {schema}.spark_consumer_lock(p_consumer => %(consumer)s::text)
 
+-- name: spark_consumer_claim
+SELECT {schema}.spark_consumer_claim(
+    p_consumer => %(consumer)s::text,
+    p_owner => %(owner)s::text,
+    p_batch => %(batch)s::bigint,
+    p_take_over => %(take_over)s::boolean)
+
 -- name: spark_batch_plan
 SELECT batch_no, size, acked, released FROM {schema}.spark_batch_plan(
     p_consumer => %(consumer)s::text,
