@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import InvalidArgumentError, MessageNotFoundError, Queue, StaleMessageError
+from lonnymq import AckStatus, InvalidArgumentError, MessageNotFoundError, Queue, StaleMessageError
 
 LOCK_MS = 60_000
 
@@ -94,6 +95,34 @@ def test_heartbeat_lock_expires_in_turn(queue: Queue) -> None:
     recovered = queue.dequeue(lock_ms=LOCK_MS)
     assert recovered is not None
     assert (recovered.id, recovered.num_attempts) == (message.id, 2)
+
+
+def test_a_heartbeat_late_in_a_transaction_counts_from_when_it_runs(queue: Queue, dsn: str) -> None:
+    # The README suggests heartbeating in your own transaction, last, before commit: the lock
+    # must then run lock_ms from that moment, not from when the transaction began.
+    for name in ("a", "b"):
+        queue.create(b"x", channel=name)
+    held = queue.dequeue_many(2, lock_ms=LOCK_MS)
+    assert len(held) == 2
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        conn.execute("SELECT 1")  # the transaction (and its now()) begins here
+        time.sleep(1.5)
+        before = queue.now()
+        one = held[0].heartbeat(lock_ms=2_000, conn=conn)
+        assert queue.heartbeat_many(held[1:], lock_ms=2_000, conn=conn) == [AckStatus.OK]
+    assert one >= before + 2_000
+    unlock = _unlock_at(dsn, queue.schema, held[1].id)
+    assert unlock >= before + 2_000
+
+
+def _unlock_at(dsn: str, schema: str, message_id: int) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        query = sql.SQL("SELECT unlock_at FROM {}.message WHERE id = %s").format(
+            sql.Identifier(schema)
+        )
+        row = conn.execute(query, [message_id]).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def test_stale_holder_is_refused_and_changes_nothing(
