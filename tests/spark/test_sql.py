@@ -249,77 +249,88 @@ def test_a_consumer_belongs_to_the_checkpoint_that_last_took_it_over(
     queue: Queue, admin: Conn
 ) -> None:
     schema = queue.schema
+    ident = sql.Identifier(schema)
     for i in range(6):
         queue.create(f"m{i}".encode(), channel="c")
 
-    def claim(owner: str | None, batch: int, take_over: bool = False) -> None:
-        params = {"consumer": "k", "owner": owner, "batch": batch, "take_over": take_over}
+    def claim(owner: str | None, step: str, batch: int, end: int | None = None) -> None:
+        params = {"consumer": "k", "owner": owner, "step": step, "batch": batch, "end": end}
         _call(admin, schema, "spark_consumer_claim", params)
 
     def plan(start: int) -> tuple[Any, ...]:
         params = {"consumer": "k", "start": start, "limit": 2, "lock_ms": 60_000, "max_id": None}
         return _call(admin, schema, "spark_batch_plan", params)[0]
 
-    def held() -> list[int]:
-        query = "SELECT count(*) FROM {schema}.message WHERE is_locked"
-        return [int(r[0]) for r in admin.execute(sql.SQL(query).format(schema=ident)).fetchall()]
+    def locked() -> int:
+        query = sql.SQL("SELECT count(*) FROM {}.message WHERE is_locked").format(ident)
+        return int(admin.execute(query).fetchall()[0][0])
 
-    def owner_row() -> tuple[Any, ...] | None:
-        query = "SELECT owner, committed FROM {schema}.spark_consumer WHERE consumer = 'k'"
-        return admin.execute(sql.SQL(query).format(schema=ident)).fetchone()
+    def row() -> tuple[Any, ...] | None:
+        query = "SELECT owner, committed, logged FROM {}.spark_consumer WHERE consumer = 'k'"
+        return admin.execute(sql.SQL(query).format(ident)).fetchone()
 
-    ident = sql.Identifier(schema)
-    claim("a", 0, take_over=True)  # checkpoint a's first plan
+    # Checkpoint a, as the data source drives it: its first plan finds messages and takes
+    # the consumer over; Spark logs batch 1 and reads it, commits it, and a plans batch 2.
     assert plan(0)[:2] == (1, 2)
-    claim("a", 1)  # a's commit of batch 1, then its next plan
+    claim("a", "take_over", 0)
+    claim("a", "read", 0, 1)
+    claim("a", "ack", 1)
+    claim("a", "plan", 1)
     assert plan(1)[:2] == (2, 2)
-    claim("a", 1)  # a restart of a replays batch 2 from batch 1
-    assert owner_row() == ("a", 1)
+    claim("a", "read", 1, 2)  # batch 2 logged and read; a stops before committing it
+    assert row() == ("a", 1, 2)
+    claim("a", "read", 1, 2)  # a restart of a replays batch 2
     # Another checkpoint's offsets (b at batch 5): refused before they finish a's batch 2.
-    with pytest.raises(psycopg.Error, match="consumer k belongs to another streaming query"):
-        claim("b", 5)
-    # An older copy of a's checkpoint (at batch 0, behind the 1 a committed): refused.
-    with pytest.raises(psycopg.Error, match="is at batch 0, behind batch 1"):
-        claim("a", 0)
+    for step, batch, end in [("plan", 5, None), ("read", 5, 6), ("ack", 6, None)]:
+        with pytest.raises(psycopg.Error, match="consumer k belongs to another streaming query"):
+            claim("b", step, batch, end)
+    # Copies of a's checkpoint that a has gone past: one that would plan the batch a logged,
+    # one that would replay batch 1, one that would acknowledge batch 0.
+    for step, batch, end in [("plan", 1, None), ("read", 0, 1), ("ack", 0, None)]:
+        with pytest.raises(psycopg.Error, match="the checkpoint of consumer k is behind"):
+            claim("a", step, batch, end)
     # A checkpoint from before owners, restarted after a claimed the consumer: refused.
     with pytest.raises(psycopg.Error, match="belongs to another streaming query"):
-        claim(None, 2)
-    assert held() == [2]
-    assert owner_row() == ("a", 1)
+        claim(None, "plan", 2)
+    assert locked() == 2
+    assert row() == ("a", 1, 2)
     # A new checkpoint takes the consumer over; its first plan gives a's batch 2 back.
-    claim("b", 0, take_over=True)
-    assert owner_row() == ("b", 0)
     assert plan(0)[:2] == (1, 2)
-    assert held() == [2]
+    claim("b", "take_over", 0)
+    assert row() == ("b", 0, 0)
+    assert locked() == 2
     with pytest.raises(psycopg.Error, match="belongs to another streaming query"):
-        claim("a", 2)  # a restarted now
-    claim("b", 1)
-    assert owner_row() == ("b", 1)
-    for bad, message in [
-        ({"owner": "", "batch": 0, "take_over": False}, "owner must be NULL or 1 to 255"),
-        ({"owner": "b", "batch": -1, "take_over": False}, "batch must be between 0"),
-        ({"owner": "b", "batch": 3, "take_over": True}, "take_over must be TRUE only at batch 0"),
-        ({"owner": "b", "batch": 3, "take_over": None}, "take_over must be TRUE only at batch 0"),
-    ]:
+        claim("a", "read", 1, 2)  # a restarted now
+    claim("b", "read", 0, 1)
+    assert row() == ("b", 0, 1)
+    bad_claims: list[tuple[dict[str, Any], str]] = [
+        ({"owner": "", "step": "plan", "batch": 0}, "owner must be NULL or 1 to 255"),
+        ({"owner": "b", "step": "go", "batch": 0}, "step must be plan, read, ack or take_over"),
+        ({"owner": "b", "step": "plan", "batch": -1}, "batch must be between 0"),
+        ({"owner": "b", "step": "read", "batch": 1}, "end must be given for a read only"),
+        ({"owner": "b", "step": "read", "batch": 3, "end": 2}, "be at least batch"),
+        ({"owner": "b", "step": "ack", "batch": 3, "end": 4}, "end must be given for a read"),
+        ({"owner": "b", "step": "take_over", "batch": 3}, "take_over needs an owner and batch 0"),
+        ({"owner": None, "step": "take_over", "batch": 0}, "take_over needs an owner"),
+        ({"consumer": "", "owner": "b", "step": "plan", "batch": 0}, "consumer must be 1 to 255"),
+    ]
+    for bad, message in bad_claims:
         with pytest.raises(psycopg.Error, match=message):
-            _call(admin, schema, "spark_consumer_claim", {"consumer": "k", **bad})
-    with pytest.raises(psycopg.Error, match="consumer must be 1 to 255 characters"):
-        _call(
-            admin,
-            schema,
-            "spark_consumer_claim",
-            {"consumer": "", "owner": "b", "batch": 0, "take_over": False},
-        )
-    assert owner_row() == ("b", 1)
+            _call(admin, schema, "spark_consumer_claim", {"consumer": "k", "end": None, **bad})
+    assert row() == ("b", 0, 1)
 
 
 def test_a_checkpoint_from_before_owners_keeps_its_consumer(queue: Queue, admin: Conn) -> None:
     # Offsets written before migration 0032 name no owner: the first claim records it as such.
-    params = {"consumer": "old", "owner": None, "batch": 7, "take_over": False}
-    _call(admin, queue.schema, "spark_consumer_claim", params)
-    _call(admin, queue.schema, "spark_consumer_claim", {**params, "batch": 8})
-    with pytest.raises(psycopg.Error, match="is at batch 7, behind batch 8"):
+    def claim(step: str, batch: int, end: int | None = None) -> None:
+        params = {"consumer": "old", "owner": None, "step": step, "batch": batch, "end": end}
         _call(admin, queue.schema, "spark_consumer_claim", params)
+
+    claim("plan", 7)
+    claim("read", 7, 8)
+    claim("ack", 8)
+    with pytest.raises(psycopg.Error, match="is behind the consumer"):
+        claim("plan", 7)
 
 
 def _install_up_to(admin: Conn, schema: str, version: int) -> None:

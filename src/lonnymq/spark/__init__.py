@@ -24,13 +24,14 @@ from typing import Any
 from .. import _core
 from ..embedded import DSN_ENV
 from ..errors import InvalidArgumentError
-from ._errors import ConsumerBusyError, SparkWriteError
+from ._errors import ConsumerBusyError, ConsumerOwnedError, SparkWriteError
 from ._options import Connection
 from ._source import LonnyMQDataSource
 from ._write import WriteResult
 
 __all__ = [
     "ConsumerBusyError",
+    "ConsumerOwnedError",
     "LonnyMQDataSource",
     "SparkWriteError",
     "WriteResult",

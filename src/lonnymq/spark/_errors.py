@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import LonnyMQError
 
-__all__ = ["ConsumerBusyError", "SparkWriteError"]
+__all__ = ["ConsumerBusyError", "ConsumerOwnedError", "SparkWriteError"]
 
 
 class SparkWriteError(LonnyMQError):
@@ -14,3 +14,10 @@ class SparkWriteError(LonnyMQError):
 
 class ConsumerBusyError(LonnyMQError):
     """Another running streaming query uses this consumer name: give each query its own."""
+
+
+class ConsumerOwnedError(LonnyMQError):
+    """The consumer belongs to another checkpoint (a query from a new checkpoint took it over),
+    or this checkpoint is a copy that another run has gone past: going on would finish the
+    other's planned batches as delivered. Give the query its own consumer name, or start it
+    from a new checkpoint."""

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from psycopg import sql
 
+from ..errors import InvalidArgumentError
 from . import _db
-from ._errors import ConsumerBusyError
+from ._errors import ConsumerBusyError, ConsumerOwnedError
 from ._options import Connection, ReadOptions, StreamReadOptions, Table
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ class ConsumerRunner:
     ) -> tuple[int, int]:
         """Ack batches <= start, release later ones, plan batch start+1: (batch_no, size).
         ``owner`` is the checkpoint's (see :meth:`claim`); ``take_over``: a new checkpoint's
-        first plan, which makes the consumer its own."""
+        first plan, which makes the consumer its own when it finds messages."""
         params = {
             "consumer": self._opts.consumer,
             "start": start,
@@ -220,8 +221,14 @@ class ConsumerRunner:
             "lock_ms": self._opts.lock_ms,
             "max_id": max_id,
         }
-        rows = self._claimed("spark_batch_plan", params, owner, start, take_over)
-        batch_no, size, acked, released = rows[0]
+        schema = self._opts.conn.schema
+        with self._turn, _db.translated(schema), self._db.transaction():
+            if not take_over:
+                self._claim(owner, "plan", start)
+            rows = _db.run(self._db, schema, "spark_batch_plan", params)
+            batch_no, size, acked, released = rows[0]
+            if take_over and size:
+                self._claim(owner, "take_over", 0)
         if acked or released or size:
             log.debug(
                 "consumer %s: acked %s, released %s, planned batch %s with %s messages",
@@ -235,35 +242,38 @@ class ConsumerRunner:
 
     def ack(self, batch_no: int, owner: str | None) -> int:
         """Finish the messages of batches <= batch_no; returns how many."""
+        if batch_no == 0:
+            return 0  # no batch is numbered 0
         params = {"consumer": self._opts.consumer, "batch_no": batch_no}
-        rows = self._claimed("spark_batch_ack", params, owner, batch_no)
-        return int(rows[0][0])
-
-    def claim(self, owner: str | None, committed: int) -> None:
-        """Refuse (InvalidArgumentError) unless the checkpoint whose offsets name ``owner``
-        (None: offsets from before migration 0032) may use the consumer, having committed up to
-        batch ``committed``: the consumer belongs to the checkpoint that last took it over."""
-        self._claimed(None, {}, owner, committed)
-
-    def _claimed(
-        self,
-        name: str | None,
-        params: dict[str, Any],
-        owner: str | None,
-        committed: int,
-        take_over: bool = False,
-    ) -> list[tuple[Any, ...]]:
-        """Claim the consumer, then run statement ``name``, in one transaction."""
-        claim = {
-            "consumer": self._opts.consumer,
-            "owner": owner,
-            "batch": committed,
-            "take_over": take_over,
-        }
         schema = self._opts.conn.schema
         with self._turn, _db.translated(schema), self._db.transaction():
-            _db.run(self._db, schema, "spark_consumer_claim", claim)
-            return [] if name is None else _db.run(self._db, schema, name, params)
+            self._claim(owner, "ack", batch_no)
+            rows = _db.run(self._db, schema, "spark_batch_ack", params)
+        return int(rows[0][0])
+
+    def claim_read(self, owner: str | None, after: int, upto: int) -> None:
+        """Before the logged batches in (after, upto] are read: refuse (ConsumerOwnedError)
+        unless they are this checkpoint's."""
+        schema = self._opts.conn.schema
+        with self._turn, _db.translated(schema), self._db.transaction():
+            self._claim(owner, "read", after, upto)
+
+    def _claim(self, owner: str | None, step: str, batch: int, end: int | None = None) -> None:
+        """Check that the checkpoint whose offsets name ``owner`` (None: offsets from before
+        migration 0032) may go on with the consumer, and record how far it got. The consumer
+        belongs to the checkpoint that last took it over; a copy of it that another run has
+        gone past is refused too."""
+        params = {
+            "consumer": self._opts.consumer,
+            "owner": owner,
+            "step": step,
+            "batch": batch,
+            "end": end,
+        }
+        try:
+            _db.run(self._db, self._opts.conn.schema, "spark_consumer_claim", params)
+        except InvalidArgumentError as err:
+            raise ConsumerOwnedError(str(err)) from err
 
     def max_id(self) -> int | None:
         """The largest message id now (the horizon of Trigger.AvailableNow)."""

@@ -270,9 +270,8 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         owner, take_over = self._owner(start)
         if self._available_now and self._max_id is None:
             # The queue was empty when the run started: nothing is available now. Still
-            # finish the batch Spark has just committed (a new checkpoint has none).
-            if not take_over:
-                self._consumer().ack(begin, owner)
+            # finish the batch Spark has just committed.
+            self._consumer().ack(begin, owner)
             return start
         batch_no, size = self._consumer().plan(begin, wanted, self._max_id, owner, take_over)
         if size == 0 and self._available_now:
@@ -316,7 +315,7 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Before any task reads the batches: are they this checkpoint's? (A replay of a first
         # batch starts from initialOffset, which names no owner; its end does.)
         owner = end.get("owner")
-        consumer.claim(None if owner is None else str(owner), after)
+        consumer.claim_read(None if owner is None else str(owner), after, upto)
         slices = self._opts.partitions
         return [BatchSlice(after, upto, index, slices) for index in range(slices)]
 

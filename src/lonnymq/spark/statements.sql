@@ -41,8 +41,9 @@ SELECT {schema}.spark_consumer_lock(p_consumer => %(consumer)s::text)
 SELECT {schema}.spark_consumer_claim(
     p_consumer => %(consumer)s::text,
     p_owner => %(owner)s::text,
+    p_step => %(step)s::text,
     p_batch => %(batch)s::bigint,
-    p_take_over => %(take_over)s::boolean)
+    p_end => %(end)s::bigint)
 
 -- name: spark_batch_plan
 SELECT batch_no, size, acked, released FROM {schema}.spark_batch_plan(
