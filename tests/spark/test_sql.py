@@ -333,6 +333,43 @@ def test_a_checkpoint_from_before_owners_keeps_its_consumer(queue: Queue, admin:
         claim("plan", 7)
 
 
+def test_a_plan_leaves_schedules_drivers_to_the_workers(queue: Queue, admin: Conn) -> None:
+    # A streaming read took a due driver like any message and finished it with its batch:
+    # the schedule was gone for good.
+    assert queue.schedule("tick", cron="* * * * *", content=b"t", channel="jobs")
+    queue.set_clock_offset(120_000)  # the driver is due
+    ident = sql.Identifier(queue.schema)
+    driver_query = sql.SQL(
+        "SELECT id, is_locked, num_attempts FROM {}.message WHERE channel = 'lonnymq.schedules'"
+    ).format(ident)
+    before = admin.execute(driver_query).fetchall()
+    assert [(locked, attempts) for _, locked, attempts in before] == [(False, 0)]
+    for max_id in (None, 10**9):  # a running query, and one under Trigger.AvailableNow
+        start = 0 if max_id is None else 1
+        results = queue.create_many(NewMessage(b"m", channel="c") for _ in range(3))
+        created = {r.id for r in results}
+        params = {
+            "consumer": "k",
+            "start": start,
+            "limit": 10,
+            "lock_ms": 60_000,
+            "max_id": max_id,
+        }
+        batch_no, size, _, _ = _call(admin, queue.schema, "spark_batch_plan", params)[0]
+        assert (batch_no, size) == (start + 1, 3)
+        planned = admin.execute(
+            sql.SQL("SELECT msg_id FROM {}.spark_batch WHERE batch_no = %s").format(ident),
+            [batch_no],
+        ).fetchall()
+        assert {r[0] for r in planned} == created
+        assert admin.execute(driver_query).fetchall() == before
+        if max_id is not None:
+            waiting = {"max_id": max_id, "due_by": queue.now()}
+            [(channels, _, _)] = _call(admin, queue.schema, "spark_batch_waiting", waiting)
+            assert channels == 0
+    assert [s.name for s in queue.schedules()] == ["tick"]
+
+
 def _install_up_to(admin: Conn, schema: str, version: int) -> None:
     """Apply migrations 1..``version`` as install() applies them all."""
     with admin.transaction():

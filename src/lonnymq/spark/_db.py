@@ -21,7 +21,7 @@ __all__ = ["SPARK_SCHEMA_VERSION", "check_installed", "connect", "executor_conne
 
 # The last migration that changed what the data source calls (tests/spark/test_sql.py checks
 # that no later one touches a spark_ function without raising it).
-SPARK_SCHEMA_VERSION = 32
+SPARK_SCHEMA_VERSION = 34
 
 Conn = psycopg.Connection[Any]
 
