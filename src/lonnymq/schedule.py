@@ -14,14 +14,19 @@ Cron expressions have five fields, in UTC: minute (0-59), hour (0-23), day of mo
 month (1-12 or jan-dec), day of week (0-7 or sun-sat; 0 and 7 are Sunday). Each field is
 ``*``, a value, a range ``a-b``, a step ``*/n``, ``a-b/n`` or ``a/n``, or a comma list of
 these. As in classic cron, when both day fields are restricted a day matching either fires.
+An expression that can never fire (``0 0 30 2 *``) is refused; a rare one (``0 0 29 2 sun``, a
+leap day on a Sunday) finds its next time however far off: the calendar repeats every 400
+years, so a search of one cycle is exact.
 """
 
 from __future__ import annotations
 
 import base64
+import calendar
 import json
-from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
+from datetime import date, timedelta
 
 from .errors import InvalidArgumentError
 
@@ -32,8 +37,12 @@ SCHEDULE_CHANNEL = "lonnymq.schedules"
 
 MAX_NAME = 200
 _MINUTE_MS = 60_000
-_SEARCH_DAYS = 366 * 5  # an expression that fires less often than this is refused
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_EPOCH_ORDINAL = date(1970, 1, 1).toordinal()
+# The Gregorian calendar repeats every 400 years (146,097 days, a whole number of weeks), and so
+# does the set of days an expression fires on: a search over 400 years of months finds a
+# firing if there is one at all.
+_CYCLE_MONTHS = 400 * 12
+_LONGEST = {m: calendar.monthrange(2000, m)[1] for m in range(1, 13)}  # 2000: a leap year
 
 _MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"]
 _DAYS = ["sun", "mon", "tue", "wed", "thu", "fri", "sat"]
@@ -90,6 +99,41 @@ class Cron:
     weekdays: frozenset[int]
     any_day: bool
     any_weekday: bool
+    # Derived in __post_init__ for the search: sorted times, and the days as bit masks.
+    _minutes: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _hours: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _day_mask: int = field(init=False, repr=False, compare=False)
+    _weekday_masks: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _months: frozenset[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "_minutes", tuple(sorted(self.minutes)))
+        set_(self, "_hours", tuple(sorted(self.hours)))
+        set_(self, "_day_mask", sum(1 << d for d in self.days))
+        # _weekday_masks[w]: the days of a month whose 1st is weekday w (0 Sunday) that fall
+        # on one of the weekdays.
+        set_(
+            self,
+            "_weekday_masks",
+            tuple(
+                sum(1 << d for d in range(1, 32) if (first + d - 1) % 7 in self.weekdays)
+                for first in range(7)
+            ),
+        )
+        # The months that can hold a firing at all: within the 400-year cycle every date of
+        # a month (29 February too) falls on every weekday, so a month can when one of the
+        # days fits in it and (a day must match both fields) there is a weekday, or (either
+        # field will do) there is a weekday or one of the days fits. Leaving the others out
+        # keeps the search short, and empty for an expression that never fires (day 30 in
+        # February).
+        both = self.any_day or self.any_weekday
+        months = set()
+        for month in self.months:
+            fits = any(d <= _LONGEST[month] for d in self.days)
+            if (fits and bool(self.weekdays)) if both else (fits or bool(self.weekdays)):
+                months.add(month)
+        set_(self, "_months", frozenset(months))
 
     @classmethod
     def parse(cls, expression: str) -> Cron:
@@ -113,59 +157,119 @@ class Cron:
             any_day=day.startswith("*"),
             any_weekday=weekday.startswith("*"),
         )
+        # Exact, not a guess: the search covers a whole 400-year cycle of the calendar.
         if cron.next_after(0) is None:
             raise InvalidArgumentError(f"cron {expression!r} never fires")
         return cron
 
-    def _day_matches(self, day: date) -> bool:
-        if day.month not in self.months:
-            return False
-        by_date = day.day in self.days
-        by_weekday = day.isoweekday() % 7 in self.weekdays
+    def _month_mask(self, year: int, month: int) -> int:
+        """The days of ``month`` that fire, as bits (bit ``d`` for day ``d``)."""
+        monday_first, length = calendar.monthrange(year, month)
+        first = (monday_first + 1) % 7  # cron counts from Sunday
+        in_month = (1 << (length + 1)) - 2
+        by_weekday = self._weekday_masks[first]
         # As cron has it: when either day field starts with "*" (a step like "*/2" too), a
         # day must match both; when neither does, either.
         if self.any_day or self.any_weekday:
-            return by_date and by_weekday
-        return by_date or by_weekday
+            return self._day_mask & by_weekday & in_month
+        return (self._day_mask | by_weekday) & in_month
 
-    def _times(self, day: date, *, reverse: bool) -> list[datetime]:
-        return [
-            datetime(day.year, day.month, day.day, h, m, tzinfo=UTC)
-            for h in sorted(self.hours, reverse=reverse)
-            for m in sorted(self.minutes, reverse=reverse)
-        ]
+    def _next_day(self, day: date) -> date | None:
+        """The first day on or after ``day`` that fires, or ``None`` (none before year
+        10000, or none at all)."""
+        if not self._months:
+            return None
+        year, month, floor = day.year, day.month, day.day
+        for _ in range(_CYCLE_MONTHS + 1):
+            if month in self._months:
+                mask = self._month_mask(year, month) >> floor << floor
+                if mask:
+                    return date(year, month, (mask & -mask).bit_length() - 1)
+            year, month, floor = (year + 1, 1, 1) if month == 12 else (year, month + 1, 1)
+            if year > date.max.year:
+                return None
+        return None
+
+    def _previous_day(self, day: date) -> date | None:
+        """The last day on or before ``day`` that fires, or ``None`` (none after year 1, or
+        none at all)."""
+        if not self._months:
+            return None
+        year, month, ceiling = day.year, day.month, day.day
+        for _ in range(_CYCLE_MONTHS + 1):
+            if month in self._months:
+                mask = self._month_mask(year, month) & ((2 << ceiling) - 1)
+                if mask:
+                    return date(year, month, mask.bit_length() - 1)
+            year, month, ceiling = (year - 1, 12, 31) if month == 1 else (year, month - 1, 31)
+            if year < date.min.year:
+                return None
+        return None
+
+    def _first_time(self, hour: int, minute: int) -> tuple[int, int] | None:
+        """The first (hour, minute) of a firing day at or after ``hour:minute``."""
+        i = bisect_left(self._hours, hour)
+        if i < len(self._hours) and self._hours[i] == hour:
+            j = bisect_left(self._minutes, minute)
+            if j < len(self._minutes):
+                return hour, self._minutes[j]
+            i += 1
+        return (self._hours[i], self._minutes[0]) if i < len(self._hours) else None
+
+    def _last_time(self, hour: int, minute: int) -> tuple[int, int] | None:
+        """The last (hour, minute) of a firing day at or before ``hour:minute``."""
+        i = bisect_right(self._hours, hour) - 1
+        if i >= 0 and self._hours[i] == hour:
+            j = bisect_right(self._minutes, minute) - 1
+            if j >= 0:
+                return hour, self._minutes[j]
+            i -= 1
+        return (self._hours[i], self._minutes[-1]) if i >= 0 else None
 
     def next_after(self, ms: int) -> int | None:
-        """The first firing strictly after ``ms`` (ms since the epoch), or ``None``."""
-        try:
-            start = _EPOCH + timedelta(milliseconds=(ms // _MINUTE_MS + 1) * _MINUTE_MS)
-            for offset in range(_SEARCH_DAYS):
-                day = start.date() + timedelta(days=offset)
-                if self._day_matches(day):
-                    for moment in self._times(day, reverse=False):
-                        if moment >= start:
-                            return _to_ms(moment)
-        except OverflowError:
+        """The first firing strictly after ``ms`` (ms since the epoch), however far off;
+        ``None`` only when there is none before year 10000."""
+        start = _from_minutes(ms // _MINUTE_MS + 1)
+        if start is None:
             return None
-        return None
+        day, hour, minute = start
+        found = self._next_day(day)
+        if found == day:
+            time = self._first_time(hour, minute)
+            if time is not None:
+                return _to_ms(day, *time)
+            # Its times today are past: the next day that fires.
+            found = None if day == date.max else self._next_day(day + timedelta(days=1))
+        return None if found is None else _to_ms(found, self._hours[0], self._minutes[0])
 
     def latest_at_or_before(self, ms: int) -> int | None:
-        """The last firing at or before ``ms``, or ``None`` within five years."""
-        try:
-            end = _EPOCH + timedelta(milliseconds=ms // _MINUTE_MS * _MINUTE_MS)
-            for offset in range(_SEARCH_DAYS):
-                day = end.date() - timedelta(days=offset)
-                if self._day_matches(day):
-                    for moment in self._times(day, reverse=True):
-                        if moment <= end:
-                            return _to_ms(moment)
-        except OverflowError:
+        """The last firing at or before ``ms``, however long ago; ``None`` only when there is
+        none after year 1."""
+        end = _from_minutes(ms // _MINUTE_MS)
+        if end is None:
             return None
+        day, hour, minute = end
+        found = self._previous_day(day)
+        if found == day:
+            time = self._last_time(hour, minute)
+            if time is not None:
+                return _to_ms(day, *time)
+            # Its times today are still to come: the last day before that fired.
+            found = None if day == date.min else self._previous_day(day - timedelta(days=1))
+        return None if found is None else _to_ms(found, self._hours[-1], self._minutes[-1])
+
+
+def _from_minutes(minutes: int) -> tuple[date, int, int] | None:
+    """The day, hour and minute ``minutes`` after the epoch; ``None`` outside years 1-9999."""
+    days, of_day = divmod(minutes, 24 * 60)
+    ordinal = _EPOCH_ORDINAL + days
+    if not date.min.toordinal() <= ordinal <= date.max.toordinal():
         return None
+    return date.fromordinal(ordinal), of_day // 60, of_day % 60
 
 
-def _to_ms(moment: datetime) -> int:
-    return (moment - _EPOCH) // timedelta(milliseconds=1)
+def _to_ms(day: date, hour: int, minute: int) -> int:
+    return ((day.toordinal() - _EPOCH_ORDINAL) * 24 * 60 + hour * 60 + minute) * _MINUTE_MS
 
 
 def check_name(name: object) -> str:

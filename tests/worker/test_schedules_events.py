@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -169,6 +170,36 @@ def test_schedule_update_list_and_remove(make_queue: Callable[..., Queue]) -> No
     assert [s.name for s in queue.schedules()] == ["b"]
     assert queue.unschedule("b") is True
     assert queue.stats() == []  # the reserved channel left no row behind
+
+
+def _at(text: str) -> int:
+    return int(datetime.fromisoformat(text).replace(tzinfo=UTC).timestamp() * 1000)
+
+
+@pytest.mark.parametrize(
+    ("cron", "first", "second"),
+    [
+        # 1 February on a Sunday: schedule() hit an assert (nothing in the five years it
+        # searched); a leap day on a Sunday: refused as "never fires".
+        ("0 0 */31 2 sun", "2032-02-01", "2037-02-01"),
+        ("0 0 29 2 */7", "2032-02-29", "2060-02-29"),
+    ],
+)
+def test_a_schedule_years_apart_is_set_fires_and_waits_years_again(
+    make_queue: Callable[..., Queue], cron: str, first: str, second: str
+) -> None:
+    queue = make_queue()
+    real_now = queue.set_clock_offset(0)
+    queue.set_clock_offset(_at("2026-06-01") - real_now)
+    assert queue.schedule("rare", cron=cron, content=b"run", channel="jobs") is True
+    [schedule] = queue.schedules()
+    assert schedule.next_at == _at(first)
+    queue.set_clock_offset(_at(first) + 1_000 - real_now)
+    seen: list[bytes] = []
+    _run_workers(queue, 1, seen)
+    assert seen == [b"run"]
+    [schedule] = queue.schedules()
+    assert (schedule.last_fired_at, schedule.next_at) == (_at(first), _at(second))
 
 
 def test_schedule_bad_input(queue: Queue) -> None:
