@@ -13,10 +13,11 @@ time that was due, never as a burst; times before the schedule was set never fir
 Cron expressions have five fields, in UTC: minute (0-59), hour (0-23), day of month (1-31),
 month (1-12 or jan-dec), day of week (0-7 or sun-sat; 0 and 7 are Sunday). Each field is
 ``*``, a value, a range ``a-b``, a step ``*/n``, ``a-b/n`` or ``a/n``, or a comma list of
-these. As in classic cron, when both day fields are restricted a day matching either fires.
-An expression that can never fire (``0 0 30 2 *``) is refused; a rare one (``0 0 29 2 sun``, a
-leap day on a Sunday) finds its next time however far off: the calendar repeats every 400
-years, so a search of one cycle is exact.
+these; a number has at most 9 digits (leading zeros aside). As in classic cron, when both
+day fields are restricted a day matching either fires. A malformed field raises
+:class:`InvalidArgumentError` naming it. An expression that can never fire (``0 0 30 2 *``) is
+refused; a rare one (``0 0 29 2 sun``, a leap day on a Sunday) finds its next time however far
+off: the calendar repeats every 400 years, so a search of one cycle is exact.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ SCHEDULE_CHANNEL = "lonnymq.schedules"
 
 MAX_NAME = 200
 _MINUTE_MS = 60_000
+_MAX_DIGITS = 9  # a longer number in a cron field is refused (steps included)
+_SHOWN = 40  # characters of a cron expression or token quoted in an error message
 _EPOCH_ORDINAL = date(1970, 1, 1).toordinal()
 # The Gregorian calendar repeats every 400 years (146,097 days, a whole number of weeks), and so
 # does the set of days an expression fires on: a search over 400 years of months finds a
@@ -53,16 +56,32 @@ def _is_number(token: str) -> bool:
     return token.isascii() and token.isdigit()
 
 
+def _to_int(digits: str) -> int | None:
+    """The value of ASCII ``digits``, or ``None`` when it has more than _MAX_DIGITS (leading
+    zeros aside): ``int`` refuses more than 4,300 with a bare ValueError, and no field
+    needs a number that long."""
+    significant = digits.lstrip("0") or "0"
+    return int(significant) if len(significant) <= _MAX_DIGITS else None
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for a message, cut short when it is long."""
+    if len(text) <= _SHOWN:
+        return repr(text)
+    return f"{text[:_SHOWN]!r}... ({len(text)} characters)"
+
+
 def _parse_field(text: str, name: str, low: int, high: int, names: list[str]) -> frozenset[int]:
     def value(token: str) -> int:
         lowered = token.lower()
         if lowered in names:
             return names.index(lowered) + (1 if name == "month" else 0)
         if not _is_number(token):
-            raise InvalidArgumentError(f"cron {name}: {token!r} is not a number")
-        number = int(token)
-        if not low <= number <= high:
-            raise InvalidArgumentError(f"cron {name}: {number} is outside {low}-{high}")
+            raise InvalidArgumentError(f"cron {name}: {_shown(token)} is not a number")
+        number = _to_int(token)
+        if number is None or not low <= number <= high:
+            shown = _shown(token) if number is None else number
+            raise InvalidArgumentError(f"cron {name}: {shown} is outside {low}-{high}")
         return number
 
     values: set[int] = set()
@@ -70,16 +89,17 @@ def _parse_field(text: str, name: str, low: int, high: int, names: list[str]) ->
         base, slash, step_text = part.partition("/")
         step = 1
         if slash:
-            if not _is_number(step_text) or int(step_text) == 0:
-                raise InvalidArgumentError(f"cron {name}: bad step in {part!r}")
-            step = int(step_text)
+            number = _to_int(step_text) if _is_number(step_text) else None
+            if not number:
+                raise InvalidArgumentError(f"cron {name}: bad step in {_shown(part)}")
+            step = number
         if base == "*":
             start, end = low, high
         elif "-" in base:
             first, _, last = base.partition("-")
             start, end = value(first), value(last)
             if start > end:
-                raise InvalidArgumentError(f"cron {name}: empty range {base!r}")
+                raise InvalidArgumentError(f"cron {name}: empty range {_shown(base)}")
         else:
             start = value(base)
             end = high if slash else start
@@ -143,7 +163,7 @@ class Cron:
         fields = expression.split()
         if len(fields) != 5:
             raise InvalidArgumentError(
-                f"cron needs 5 fields (minute hour day month weekday), got {expression!r}"
+                f"cron needs 5 fields (minute hour day month weekday), got {_shown(expression)}"
             )
         minute, hour, day, month, weekday = fields
         weekdays = _parse_field(weekday, "weekday", 0, 7, _DAYS)
@@ -159,7 +179,7 @@ class Cron:
         )
         # Exact, not a guess: the search covers a whole 400-year cycle of the calendar.
         if cron.next_after(0) is None:
-            raise InvalidArgumentError(f"cron {expression!r} never fires")
+            raise InvalidArgumentError(f"cron {_shown(expression)} never fires")
         return cron
 
     def _month_mask(self, year: int, month: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from datetime import UTC, date, datetime, timedelta
@@ -201,6 +202,49 @@ def test_next_and_latest_agree_with_trying_every_day(fields: tuple[str, ...], at
 )
 def test_malformed_expressions_are_refused(expression: str) -> None:
     with pytest.raises(InvalidArgumentError):
+        Cron.parse(expression)
+
+
+_LONG = "9" * 5000  # past the 4,300 digits Python's int() takes from a string
+
+
+@pytest.mark.parametrize(
+    ("expression", "field"),
+    [
+        (f"*/{_LONG} * * * *", "minute"),
+        (f"{_LONG} * * * *", "minute"),
+        (f"0 1-{_LONG} * * *", "hour"),
+        (f"0 0 1-{_LONG} * *", "day"),
+        (f"0 0 * {_LONG}/2 *", "month"),
+        (f"0 0 * * 1-5/{_LONG}", "weekday"),
+        ("*/1234567890 * * * *", "minute"),  # ten digits: too long a number too
+    ],
+    ids=["step", "value", "hour range", "day range", "month", "weekday step", "ten digits"],
+)
+def test_a_number_too_long_is_refused_naming_its_field(expression: str, field: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"^cron {field}: ") as caught:
+        Cron.parse(expression)
+    assert len(str(caught.value)) < 120  # the number is not quoted whole
+
+
+def test_numbers_may_have_leading_zeros_and_steps_nine_digits() -> None:
+    assert Cron.parse("*/" + "0" * 5000 + "5 * * * *").minutes == frozenset(range(0, 60, 5))
+    assert Cron.parse("*/123456789 * * * *").minutes == frozenset({0})
+
+
+_cron_text = st.lists(
+    st.one_of(
+        st.sampled_from([*"*/-, 0123456789", "mon", "jan", "\t", "\u00b2"]),
+        st.text(min_size=1, max_size=3),
+    ),
+    max_size=30,
+).map("".join)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(expression=st.one_of(st.text(), _cron_text))
+def test_any_text_parses_or_raises_invalid_argument(expression: str) -> None:
+    with contextlib.suppress(InvalidArgumentError):
         Cron.parse(expression)
 
 
