@@ -14,7 +14,7 @@ import pytest
 from psycopg import sql
 
 from lonnymq import Queue
-from lonnymq.errors import InvalidArgumentError
+from lonnymq.errors import InvalidArgumentError, InvalidChannelError
 from lonnymq.spark import _write
 from lonnymq.spark._options import ColumnInfo, write_options
 
@@ -186,3 +186,27 @@ def test_direct_mode_refuses_a_batch_with_a_null_dedup_key(
         )
     ).fetchall()
     assert [bytes(r[0]) for r in contents] == [b"a", b"b"]
+
+
+def test_the_schedules_channel_is_refused_and_stages_nothing(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str, schema_name: str
+) -> None:
+    # A row there is a schedule's driver, which a write must not make (one bad row there also
+    # broke Queue.schedules()).
+    batch = pa.record_batch(
+        {
+            "channel": pa.array(["jobs", "lonnymq.schedules", None]),
+            "content": pa.array([b"a"] * 3, pa.binary()),
+            "dedup_key": pa.array(["k1", "k2", "k3"]),
+        }
+    )
+    columns = {"channel": "string", "content": "binary", "dedup_key": "string"}
+    opts = _options(dsn, schema_name, columns)
+    match = "names channel 'lonnymq.schedules' in 1 row"
+    with pytest.raises(InvalidChannelError, match=match):
+        _write.stage(opts, "w", "t9", iter([batch]))
+    assert _staged(admin, schema_name, "t9") == []
+    direct = _options(dsn, schema_name, columns, mode="direct")
+    with pytest.raises(InvalidChannelError, match=match):
+        _write.create_direct(direct, iter([batch]))
+    assert queue.stats() == []

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from psycopg import sql
 
 from .. import _core
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidChannelError
+from ..schedule import SCHEDULE_CHANNEL
 from . import _db
 from ._errors import SparkWriteError
 from ._options import Connection, ContentFormat, OnFull, WriteOptions
@@ -110,12 +111,30 @@ def _epoch_ms(column: pa.Array) -> pa.Array:
     return pc.subtract(quotient, pc.less(values, pc.multiply(quotient, per_ms)).cast(pa.int64()))
 
 
+def _check_reserved(opts: WriteOptions, batch: pa.RecordBatch) -> None:
+    """Refuse rows whose channel column names the schedules' reserved channel: a driver there
+    is a schedule, which a write must not make (the ``channel`` option was checked)."""
+    if opts.channel_column is None:
+        return
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = batch.column(opts.channel_column)  # a string column (write_options checks)
+    count = pc.sum(pc.equal(column, pa.scalar(SCHEDULE_CHANNEL, column.type))).as_py()
+    if count:
+        raise InvalidChannelError(
+            f"column {opts.channel_column!r} names channel {SCHEDULE_CHANNEL!r} in {count} "
+            f"row(s): it is reserved for schedules' drivers (use Queue.schedule to make one)"
+        )
+
+
 def _columns(opts: WriteOptions, batch: pa.RecordBatch) -> tuple[list[Any], ...]:
     """The batch as staging columns: channel, content, dequeue_at, dedup_key."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     n = batch.num_rows
+    _check_reserved(opts, batch)
     if opts.channel_column is not None:
         channels = batch.column(opts.channel_column).to_pylist()
     else:
@@ -202,6 +221,7 @@ def _copy_rows(
         pa.scalar(fixed, pa.large_binary()),
         _big_endian(pa.array(range(seq, seq + n), pa.int32()), "i"),
     ]
+    _check_reserved(opts, batch)
     if opts.channel_column is not None:
         parts += _text_fields(batch.column(opts.channel_column))
     else:
