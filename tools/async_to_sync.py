@@ -26,6 +26,7 @@ HEADER = (
 WORDS = [
     ("AsyncConnectionPool", "ConnectionPool"),
     ("AsyncConnection", "Connection"),
+    ("AsyncCursor", "Cursor"),
     ("AsyncQueue", "Queue"),
     ("AsyncChannel", "Channel"),
     ("AsyncMessage", "Message"),

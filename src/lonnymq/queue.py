@@ -11,6 +11,7 @@ import math
 import os
 import select
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -20,9 +21,10 @@ from types import TracebackType
 from typing import Any, Self
 
 import psycopg
-from psycopg import Connection, sql
+from psycopg import Connection, Cursor, sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ConnStatus
+from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
 from . import _core, migrate
@@ -110,10 +112,14 @@ class Message:
         return self.queue.heartbeat(self, lock_ms=lock_ms, conn=conn)
 
 
-def _configure_pooled(conn: Connection[Any]) -> None:
-    """Run the queue's own statements at READ COMMITTED whatever the server's or the role's
-    default (see ``_check_isolation``)."""
-    conn.execute("SET default_transaction_isolation TO 'read committed'")
+_POOLED_SETTINGS = "SET default_transaction_isolation TO 'read committed'"
+"""What the queue sets on each pooled connection: its own statements run at READ COMMITTED
+whatever the server's or the role's default (see ``_check_isolation``)."""
+
+_ISOLATION_STATEMENT = "SHOW transaction_isolation"
+"""The level the next statement on a connection runs at: of its transaction when one is open,
+else the session's default (which the server, the role, the database or the DSN's options
+set)."""
 
 
 def _check_pooled(conn: Connection[Any]) -> None:
@@ -255,6 +261,9 @@ class Queue:
         self._maintain_refused = False
         self._sql = _core.Statements(self._schema)
         self._recorder = Recorder()
+        # The pool's connections (configured at READ COMMITTED): an operation passed one as
+        # conn= (from transaction(), or inside the queue) does not ask the server its level.
+        self._own: weakref.WeakSet[Connection[Any]] = weakref.WeakSet()
 
     @classmethod
     def embedded(
@@ -336,7 +345,7 @@ class Queue:
                     min_size=1,
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
-                    configure=_configure_pooled,
+                    configure=self._configure_pooled,
                     check=_check_pooled,
                     reconnect_failed=_regrow,
                     # Give up a failing reconnection soon: the next call starts a fresh one
@@ -374,6 +383,10 @@ class Queue:
             raise translate(err, schema=self._schema) from err
         probe.close()
 
+    def _configure_pooled(self, conn: Connection[Any]) -> None:
+        conn.execute(_POOLED_SETTINGS)
+        self._own.add(conn)
+
     def _fetch(self, name: str, params: dict[str, Any], conn: Connection[Any] | None) -> list[Row]:
         """Run the named statement (on ``conn``, or on a pooled connection) and return rows."""
         return self._run(self._sql[name], params, conn, label=name)
@@ -389,11 +402,13 @@ class Queue:
         """Run ``statement`` (on ``conn``, or on a pooled connection) and return its rows (none
         for a statement that returns none); timed in ``operation_stats`` as ``label``."""
         _check_conn(conn)
-        _check_isolation(conn, label)
+        ask = conn is not None and conn not in self._own and _check_isolation(conn, label)
         started = perf_counter()
         ok = False
         try:
             if conn is not None:
+                if ask:
+                    _check_server_isolation(conn, label)
                 cursor = conn.execute(statement, params, binary=True)
                 rows = cursor.fetchall() if cursor.description is not None else []
             else:
@@ -1072,15 +1087,41 @@ _READ_COMMITTED_ONLY = frozenset(
 )
 
 
-def _check_isolation(conn: Connection[Any] | None, label: str) -> None:
-    if conn is None or label not in _READ_COMMITTED_ONLY:
-        return
+def _check_isolation(conn: Connection[Any], label: str) -> bool:
+    """Refuse a caller's ``conn`` for an operation of ``_READ_COMMITTED_ONLY`` when psycopg
+    starts its transactions above READ COMMITTED; return whether the server must be asked.
+
+    ``conn.isolation_level`` answers only for a connection that is not in autocommit mode
+    (psycopg then begins every transaction at that level). Unset, the level is the session's
+    default, which the DSN's options or ``ALTER ROLE/DATABASE ... SET`` may have raised; in
+    autocommit mode a statement runs at that default, or at whatever a ``BEGIN`` of the
+    caller's chose: psycopg's attribute shows none of these, the server does."""
+    if label not in _READ_COMMITTED_ONLY:
+        return False
     level = conn.isolation_level
-    if level is not None and level != psycopg.IsolationLevel.READ_COMMITTED:
-        raise InvalidArgumentError(
-            f"{label} must run at READ COMMITTED, and conn is at {level.name.replace('_', ' ')}: "
-            "use a connection at READ COMMITTED (the default) for queue operations"
-        )
+    if level is None or conn.autocommit:
+        return True
+    if level > psycopg.IsolationLevel.READ_COMMITTED:
+        raise _isolation_refused(label, level.name.replace("_", " "))
+    return False
+
+
+def _check_server_isolation(conn: Connection[Any], label: str) -> None:
+    """Refuse ``conn`` for ``label`` when the server says its next statement would run above
+    READ COMMITTED (PostgreSQL runs READ UNCOMMITTED as READ COMMITTED). One round trip."""
+    with Cursor(conn, row_factory=tuple_row) as cursor:
+        cursor.execute(_ISOLATION_STATEMENT)
+        row = cursor.fetchone()
+    level = str(row[0]) if row is not None else ""
+    if level not in ("read committed", "read uncommitted"):
+        raise _isolation_refused(label, level.upper())
+
+
+def _isolation_refused(label: str, level: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{label} must run at READ COMMITTED, and conn is at {level}: "
+        "use a connection at READ COMMITTED (the default) for queue operations"
+    )
 
 
 def _check_conn(conn: object) -> None:

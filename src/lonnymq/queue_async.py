@@ -10,6 +10,7 @@ import asyncio
 import math
 import os
 import select
+import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -19,9 +20,10 @@ from types import TracebackType
 from typing import Any, Self
 
 import psycopg
-from psycopg import AsyncConnection, sql
+from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ConnStatus
+from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 
 from . import _core, migrate
@@ -109,10 +111,14 @@ class AsyncMessage:
         return await self.queue.heartbeat(self, lock_ms=lock_ms, conn=conn)
 
 
-async def _configure_pooled(conn: AsyncConnection[Any]) -> None:
-    """Run the queue's own statements at READ COMMITTED whatever the server's or the role's
-    default (see ``_check_isolation``)."""
-    await conn.execute("SET default_transaction_isolation TO 'read committed'")
+_POOLED_SETTINGS = "SET default_transaction_isolation TO 'read committed'"
+"""What the queue sets on each pooled connection: its own statements run at READ COMMITTED
+whatever the server's or the role's default (see ``_check_isolation``)."""
+
+_ISOLATION_STATEMENT = "SHOW transaction_isolation"
+"""The level the next statement on a connection runs at: of its transaction when one is open,
+else the session's default (which the server, the role, the database or the DSN's options
+set)."""
 
 
 async def _check_pooled(conn: AsyncConnection[Any]) -> None:
@@ -254,6 +260,9 @@ class AsyncQueue:
         self._maintain_refused = False
         self._sql = _core.Statements(self._schema)
         self._recorder = Recorder()
+        # The pool's connections (configured at READ COMMITTED): an operation passed one as
+        # conn= (from transaction(), or inside the queue) does not ask the server its level.
+        self._own: weakref.WeakSet[AsyncConnection[Any]] = weakref.WeakSet()
 
     @classmethod
     def embedded(
@@ -335,7 +344,7 @@ class AsyncQueue:
                     min_size=1,
                     max_size=self._pool_size,
                     kwargs={"autocommit": True},
-                    configure=_configure_pooled,
+                    configure=self._configure_pooled,
                     check=_check_pooled,
                     reconnect_failed=_regrow,
                     # Give up a failing reconnection soon: the next call starts a fresh one
@@ -373,6 +382,10 @@ class AsyncQueue:
             raise translate(err, schema=self._schema) from err
         await probe.close()
 
+    async def _configure_pooled(self, conn: AsyncConnection[Any]) -> None:
+        await conn.execute(_POOLED_SETTINGS)
+        self._own.add(conn)
+
     async def _fetch(
         self, name: str, params: dict[str, Any], conn: AsyncConnection[Any] | None
     ) -> list[Row]:
@@ -390,11 +403,13 @@ class AsyncQueue:
         """Run ``statement`` (on ``conn``, or on a pooled connection) and return its rows (none
         for a statement that returns none); timed in ``operation_stats`` as ``label``."""
         _check_conn(conn)
-        _check_isolation(conn, label)
+        ask = conn is not None and conn not in self._own and _check_isolation(conn, label)
         started = perf_counter()
         ok = False
         try:
             if conn is not None:
+                if ask:
+                    await _check_server_isolation(conn, label)
                 cursor = await conn.execute(statement, params, binary=True)
                 rows = await cursor.fetchall() if cursor.description is not None else []
             else:
@@ -1091,15 +1106,41 @@ _READ_COMMITTED_ONLY = frozenset(
 )
 
 
-def _check_isolation(conn: AsyncConnection[Any] | None, label: str) -> None:
-    if conn is None or label not in _READ_COMMITTED_ONLY:
-        return
+def _check_isolation(conn: AsyncConnection[Any], label: str) -> bool:
+    """Refuse a caller's ``conn`` for an operation of ``_READ_COMMITTED_ONLY`` when psycopg
+    starts its transactions above READ COMMITTED; return whether the server must be asked.
+
+    ``conn.isolation_level`` answers only for a connection that is not in autocommit mode
+    (psycopg then begins every transaction at that level). Unset, the level is the session's
+    default, which the DSN's options or ``ALTER ROLE/DATABASE ... SET`` may have raised; in
+    autocommit mode a statement runs at that default, or at whatever a ``BEGIN`` of the
+    caller's chose: psycopg's attribute shows none of these, the server does."""
+    if label not in _READ_COMMITTED_ONLY:
+        return False
     level = conn.isolation_level
-    if level is not None and level != psycopg.IsolationLevel.READ_COMMITTED:
-        raise InvalidArgumentError(
-            f"{label} must run at READ COMMITTED, and conn is at {level.name.replace('_', ' ')}: "
-            "use a connection at READ COMMITTED (the default) for queue operations"
-        )
+    if level is None or conn.autocommit:
+        return True
+    if level > psycopg.IsolationLevel.READ_COMMITTED:
+        raise _isolation_refused(label, level.name.replace("_", " "))
+    return False
+
+
+async def _check_server_isolation(conn: AsyncConnection[Any], label: str) -> None:
+    """Refuse ``conn`` for ``label`` when the server says its next statement would run above
+    READ COMMITTED (PostgreSQL runs READ UNCOMMITTED as READ COMMITTED). One round trip."""
+    async with AsyncCursor(conn, row_factory=tuple_row) as cursor:
+        await cursor.execute(_ISOLATION_STATEMENT)
+        row = await cursor.fetchone()
+    level = str(row[0]) if row is not None else ""
+    if level not in ("read committed", "read uncommitted"):
+        raise _isolation_refused(label, level.upper())
+
+
+def _isolation_refused(label: str, level: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{label} must run at READ COMMITTED, and conn is at {level}: "
+        "use a connection at READ COMMITTED (the default) for queue operations"
+    )
 
 
 def _check_conn(conn: object) -> None:

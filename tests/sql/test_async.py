@@ -12,6 +12,7 @@ from lonnymq import (
     AckStatus,
     AsyncQueue,
     CreateStatus,
+    InvalidArgumentError,
     MessageNotFoundError,
     NewMessage,
     Policy,
@@ -195,5 +196,21 @@ def test_async_install_on_a_callers_connection(dsn: str, schema_name: str) -> No
             assert (await queue.create(b"x")).status is CreateStatus.CREATED
         finally:
             await queue.close()
+
+    asyncio.run(run())
+
+
+def test_async_write_refuses_a_connection_the_server_puts_above_read_committed(
+    dsn: str, schema_name: str
+) -> None:
+    async def run() -> None:
+        async with AsyncQueue(dsn, schema=schema_name) as queue:
+            await queue.install()
+            async with await psycopg.AsyncConnection.connect(dsn) as conn:
+                await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                with pytest.raises(InvalidArgumentError, match="conn is at REPEATABLE READ"):
+                    await queue.create(b"x", conn=conn)
+                await conn.rollback()
+            assert await queue.stats() == []
 
     asyncio.run(run())

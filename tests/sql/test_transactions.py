@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -308,6 +309,96 @@ def test_writes_refuse_a_connection_above_read_committed(
         assert [(s.channel, s.in_flight) for s in queue.stats(conn=conn)] == [("a", 1)]
     held.delete()
     assert queue.stats() == []
+
+
+def _at_repeatable_read(dsn: str, how: str) -> psycopg.Connection[Any]:
+    """A connection whose next transaction runs at REPEATABLE READ, though psycopg's
+    ``isolation_level`` is unset: the level comes from the server or from SQL."""
+    if how == "dsn options":
+        options = conninfo_to_dict(dsn).get("options") or ""
+        at_rr = make_conninfo(
+            dsn, options=f"{options} -c default_transaction_isolation=repeatable\\ read".strip()
+        )
+        return psycopg.connect(at_rr)
+    conn = psycopg.connect(dsn, autocommit=how == "BEGIN on autocommit")
+    if how == "session default":  # as ALTER ROLE/DATABASE ... SET would make it
+        conn.execute("SET default_transaction_isolation TO 'repeatable read'")
+        conn.commit()
+    elif how == "SET TRANSACTION":
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    else:
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    return conn
+
+
+@pytest.mark.parametrize(
+    "how", ["dsn options", "session default", "SET TRANSACTION", "BEGIN on autocommit"]
+)
+def test_writes_refuse_a_connection_the_server_puts_above_read_committed(
+    queue: Queue, dsn: str, how: str
+) -> None:
+    """psycopg's ``isolation_level`` is None on these connections: the server is asked. Had
+    the create gone through, its message would wait behind no channel row (the drain below
+    deleted it after the caller's snapshot), where no dequeue finds it."""
+    queue.create(b"first", channel="a")
+    with _at_repeatable_read(dsn, how) as conn:
+        assert conn.isolation_level is None
+        assert queue.stats(conn=conn) != []  # the snapshot: channel a has its row
+        taken = queue.dequeue(lock_ms=LOCK_MS)
+        assert taken is not None
+        taken.delete()  # the channel is drained: its row is gone
+        with pytest.raises(InvalidArgumentError, match="conn is at REPEATABLE READ"):
+            queue.create(b"second", channel="a", conn=conn)
+        conn.rollback()
+    assert queue.stats() == []
+    assert queue.verify() == []
+
+
+def test_an_autocommit_connection_runs_at_the_servers_level_whatever_psycopg_says(
+    queue: Queue, dsn: str
+) -> None:
+    """In autocommit mode psycopg's ``isolation_level`` applies only to the transactions it
+    begins (``conn.transaction()``); a statement on its own runs at the session's default."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+        assert queue.create(b"x", channel="a", conn=conn).status is CreateStatus.CREATED
+        with (
+            conn.transaction(),
+            pytest.raises(InvalidArgumentError, match="conn is at SERIALIZABLE"),
+        ):
+            queue.create(b"y", channel="a", conn=conn)
+    assert [(s.channel, s.size) for s in queue.stats()] == [("a", 1)]
+
+
+def _traced_statements(conn: psycopg.Connection[Any], run: Callable[[], object], tmp: Path) -> str:
+    """What ``run()`` sent on ``conn``, from libpq's protocol trace."""
+    path = tmp / "trace"
+    with open(path, "w") as trace:
+        conn.pgconn.trace(trace.fileno())
+        try:
+            run()
+        finally:
+            conn.pgconn.untrace()
+    return path.read_text()
+
+
+def test_the_level_is_asked_of_a_callers_connection_only(
+    queue: Queue, dsn: str, tmp_path: Path
+) -> None:
+    """One more round trip for a write on a caller's connection whose level psycopg does not
+    set; none on the queue's own (pooled, READ COMMITTED) connections, lent by transaction()."""
+    with psycopg.connect(dsn) as conn:
+        sent = _traced_statements(conn, lambda: queue.create(b"x", conn=conn), tmp_path)
+        assert "transaction_isolation" in sent
+        conn.commit()
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        sent = _traced_statements(conn, lambda: queue.create(b"x", conn=conn), tmp_path)
+        assert "transaction_isolation" not in sent
+        assert "message_create" in sent
+    with queue.transaction() as lent:
+        sent = _traced_statements(lent, lambda: queue.create(b"x", conn=lent), tmp_path)
+        assert "transaction_isolation" not in sent
+        assert "message_create" in sent
 
 
 def test_pooled_connections_run_at_read_committed_whatever_the_default(
