@@ -1091,7 +1091,11 @@ class AsyncQueue:
 
 # The operations whose channel bookkeeping reads other sessions' latest commits: at
 # REPEATABLE READ or SERIALIZABLE they would see an older state of the channel rows and could
-# leave a ready message behind no channel row, where no dequeue finds it.
+# leave a ready message behind no channel row, where no dequeue finds it (creates, dequeues,
+# defers), or a channel's counters wrong for good: a policy set counts the channel's messages
+# (and clear reads its row), and finishing a message (delete, fail, delete_many, unschedule)
+# reads whether its channel has a policy to decide whether to count it out, so a policy set
+# after the snapshot would be missed.
 _READ_COMMITTED_ONLY = frozenset(
     {
         "message_create",
@@ -1100,7 +1104,12 @@ _READ_COMMITTED_ONLY = frozenset(
         "message_complete_and_dequeue",
         "message_defer",
         "message_defer_many",
+        "message_delete",
+        "message_delete_many",
+        "channel_policy_set",
+        "channel_policy_clear",
         "schedule_set",
+        "schedule_remove",
         "archive_replay",
     }
 )

@@ -311,6 +311,76 @@ def test_writes_refuse_a_connection_above_read_committed(
     assert queue.stats() == []
 
 
+def _repeatable_read(dsn: str) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(dsn)
+    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    return conn
+
+
+def test_set_policy_refuses_a_connection_above_read_committed(queue: Queue, dsn: str) -> None:
+    """At REPEATABLE READ the policy set would count the channel's messages from the caller's
+    snapshot, missing those created since: the channel's size wrong for good."""
+    queue.create(b"m1", channel="p")
+    with _repeatable_read(dsn) as conn:
+        assert [s.size for s in queue.stats(conn=conn)] == [1]  # the caller's snapshot
+        queue.create(b"m2", channel="p")
+        queue.create(b"m3", channel="p")
+        with pytest.raises(InvalidArgumentError, match="channel_policy_set must run at READ"):
+            queue.channel("p").set_policy(max_size=10, conn=conn)
+        conn.rollback()
+    queue.channel("p").set_policy(max_size=10)
+    assert [s.size for s in queue.stats()] == [3]
+    assert queue.verify() == []
+
+
+def test_delete_refuses_a_connection_above_read_committed(queue: Queue, dsn: str) -> None:
+    """At REPEATABLE READ a delete would read its channel as policy-free when the policy was
+    set after the caller's snapshot, and not count the message out of the channel's size."""
+    queue.create(b"m1", channel="p")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    with _repeatable_read(dsn) as conn:
+        assert [s.size for s in queue.stats(conn=conn)] == [1]  # the caller's snapshot
+        queue.channel("p").set_policy(max_size=10)  # counts m1
+        with pytest.raises(InvalidArgumentError, match="message_delete must run at READ"):
+            held.delete(conn=conn)
+        conn.rollback()
+    held.delete()
+    assert [(s.channel, s.size) for s in queue.stats()] == [("p", 0)]
+    assert queue.verify() == []
+
+
+def test_policies_and_finishing_refuse_a_connection_above_read_committed(
+    queue: Queue, dsn: str
+) -> None:
+    queue.create(b"m1", channel="p")
+    queue.channel("q").set_policy(max_size=10)
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    queue.schedule("tick", cron="0 0 * * *", content=b"t", channel="tasks")
+    for attempt in (
+        lambda conn: queue.channel("p").set_policy(max_size=5, conn=conn),
+        lambda conn: queue.channel("q").clear_policy(conn=conn),
+        lambda conn: queue.delete(held, conn=conn),
+        lambda conn: queue.fail(held, error="x", conn=conn),
+        lambda conn: queue.delete_many([held], conn=conn),
+        lambda conn: queue.dead_letter(held, channel="dead", error="x", conn=conn),
+        lambda conn: queue.unschedule("tick", conn=conn),
+    ):
+        with _repeatable_read(dsn) as conn:
+            with pytest.raises(InvalidArgumentError, match="must run at READ COMMITTED"):
+                attempt(conn)
+            conn.rollback()
+    assert {s.channel: (s.size, s.in_flight) for s in queue.stats()} == {
+        "lonnymq.schedules": (1, 0),
+        "p": (1, 1),
+        "q": (0, 0),
+    }
+    held.delete()
+    assert queue.unschedule("tick")
+    assert queue.verify() == []
+
+
 def _at_repeatable_read(dsn: str, how: str) -> psycopg.Connection[Any]:
     """A connection whose next transaction runs at REPEATABLE READ, though psycopg's
     ``isolation_level`` is unset: the level comes from the server or from SQL."""
