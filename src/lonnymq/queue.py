@@ -407,14 +407,15 @@ class Queue:
         ok = False
         try:
             if conn is not None:
-                if ask:
-                    _check_server_isolation(conn, label)
-                cursor = conn.execute(statement, params, binary=True)
-                rows = cursor.fetchall() if cursor.description is not None else []
+                with _cursor(conn) as cursor:
+                    if ask:
+                        _check_server_isolation(cursor, label)
+                    cursor.execute(statement, params, binary=True)
+                    rows = cursor.fetchall() if cursor.description is not None else []
             else:
                 pool = self._get_pool()
-                with pool.connection() as pooled:
-                    cursor = pooled.execute(statement, params, binary=True)
+                with pool.connection() as pooled, _cursor(pooled) as cursor:
+                    cursor.execute(statement, params, binary=True)
                     rows = cursor.fetchall() if cursor.description is not None else []
             ok = True
             return rows
@@ -456,12 +457,12 @@ class Queue:
         with pool.connection() as pooled:
             return self._install_on(pooled, archive)
 
-    def _migrate_on(self, conn: Connection[Any]) -> int:
+    def _migrate_on(self, cursor: Cursor[Row]) -> int:
         """Apply the missing migrations (the caller holds a transaction); the version after."""
-        conn.execute(migrate.lock_statement(), {"schema": self._schema})
+        cursor.execute(migrate.lock_statement(), {"schema": self._schema})
         for statement in migrate.prepare_statements(self._schema):
-            conn.execute(statement)
-        cursor = conn.execute(migrate.applied_statement(self._schema))
+            cursor.execute(statement)
+        cursor.execute(migrate.applied_statement(self._schema))
         row = cursor.fetchone()
         current = int(row[0]) if row is not None else 0
         latest = migrate.latest_version()
@@ -471,9 +472,9 @@ class Queue:
                 f"lonnymq knows ({latest}): upgrade the lonnymq package"
             )
         for migration, text in migrate.pending(current):
-            conn.execute(migrate.search_path_statement(self._schema))
-            conn.execute(text.encode())
-            conn.execute(migrate.record_statement(self._schema, migration))
+            cursor.execute(migrate.search_path_statement(self._schema))
+            cursor.execute(text.encode())
+            cursor.execute(migrate.record_statement(self._schema, migration))
             current = migration.version
         return current
 
@@ -481,17 +482,17 @@ class Queue:
         started = perf_counter()
         ok = False
         try:
-            with conn.transaction():
-                cursor = conn.execute(migrate.may_create_statement(), {"schema": self._schema})
+            with conn.transaction(), _cursor(conn) as cursor:
+                cursor.execute(migrate.may_create_statement(), {"schema": self._schema})
                 row = cursor.fetchone()
                 if row is not None and row[0] is False:
-                    current = self._installed_version(conn)
+                    current = self._installed_version(cursor)
                 else:
-                    current = self._migrate_on(conn)
+                    current = self._migrate_on(cursor)
                 if self._event_channel is not None or archive is not None:
                     # Only a change needs config_set (an admin's function): a granted role
                     # that asks for the settings already in place is not refused.
-                    cursor = conn.execute(self._sql["config_get"])
+                    cursor.execute(self._sql["config_get"])
                     settings = cursor.fetchone()
                     assert settings is not None
                     event_channel, archived = settings
@@ -499,7 +500,7 @@ class Queue:
                         (self._event_channel or None) != event_channel
                     )
                     if new_events or (archive is not None and archive != archived):
-                        conn.execute(
+                        cursor.execute(
                             self._sql["config_set"],
                             {"event_channel": self._event_channel, "archive": archive},
                         )
@@ -510,12 +511,12 @@ class Queue:
         finally:
             self._recorder.record("install", perf_counter() - started, ok=ok)
 
-    def _installed_version(self, conn: Connection[Any]) -> int:
+    def _installed_version(self, cursor: Cursor[Row]) -> int:
         """install() for a role that may not change the schema: it succeeds when there is
         nothing to do."""
         latest = migrate.latest_version()
         try:
-            cursor = conn.execute(self._sql["schema_version"])
+            cursor.execute(self._sql["schema_version"])
             row = cursor.fetchone()
             current = int(row[0]) if row is not None else 0
         except psycopg.errors.UndefinedFunction:
@@ -1115,12 +1116,12 @@ def _check_isolation(conn: Connection[Any], label: str) -> bool:
     return False
 
 
-def _check_server_isolation(conn: Connection[Any], label: str) -> None:
-    """Refuse ``conn`` for ``label`` when the server says its next statement would run above
-    READ COMMITTED (PostgreSQL runs READ UNCOMMITTED as READ COMMITTED). One round trip."""
-    with Cursor(conn, row_factory=tuple_row) as cursor:
-        cursor.execute(_ISOLATION_STATEMENT)
-        row = cursor.fetchone()
+def _check_server_isolation(cursor: Cursor[Row], label: str) -> None:
+    """Refuse the cursor's connection for ``label`` when the server says its next statement
+    would run above READ COMMITTED (PostgreSQL runs READ UNCOMMITTED as READ COMMITTED). One
+    round trip."""
+    cursor.execute(_ISOLATION_STATEMENT)
+    row = cursor.fetchone()
     level = str(row[0]) if row is not None else ""
     if level not in ("read committed", "read uncommitted"):
         raise _isolation_refused(label, level.upper())
@@ -1131,6 +1132,13 @@ def _isolation_refused(label: str, level: str) -> InvalidArgumentError:
         f"{label} must run at READ COMMITTED, and conn is at {level}: "
         "use a connection at READ COMMITTED (the default) for queue operations"
     )
+
+
+def _cursor(conn: Connection[Any]) -> Cursor[Row]:
+    """A cursor of the queue's own on ``conn``: plain tuples, parameters bound by the server,
+    whatever ``row_factory`` or ``cursor_factory`` a caller gave the connection (a dict_row,
+    a ClientCursor or a RawCursor would change what the queue's statements send and read)."""
+    return Cursor(conn, row_factory=tuple_row)
 
 
 def _check_conn(conn: object) -> None:

@@ -408,14 +408,15 @@ class AsyncQueue:
         ok = False
         try:
             if conn is not None:
-                if ask:
-                    await _check_server_isolation(conn, label)
-                cursor = await conn.execute(statement, params, binary=True)
-                rows = await cursor.fetchall() if cursor.description is not None else []
+                async with _cursor(conn) as cursor:
+                    if ask:
+                        await _check_server_isolation(cursor, label)
+                    await cursor.execute(statement, params, binary=True)
+                    rows = await cursor.fetchall() if cursor.description is not None else []
             else:
                 pool = await self._get_pool()
-                async with pool.connection() as pooled:
-                    cursor = await pooled.execute(statement, params, binary=True)
+                async with pool.connection() as pooled, _cursor(pooled) as cursor:
+                    await cursor.execute(statement, params, binary=True)
                     rows = await cursor.fetchall() if cursor.description is not None else []
             ok = True
             return rows
@@ -459,12 +460,12 @@ class AsyncQueue:
         async with pool.connection() as pooled:
             return await self._install_on(pooled, archive)
 
-    async def _migrate_on(self, conn: AsyncConnection[Any]) -> int:
+    async def _migrate_on(self, cursor: AsyncCursor[Row]) -> int:
         """Apply the missing migrations (the caller holds a transaction); the version after."""
-        await conn.execute(migrate.lock_statement(), {"schema": self._schema})
+        await cursor.execute(migrate.lock_statement(), {"schema": self._schema})
         for statement in migrate.prepare_statements(self._schema):
-            await conn.execute(statement)
-        cursor = await conn.execute(migrate.applied_statement(self._schema))
+            await cursor.execute(statement)
+        await cursor.execute(migrate.applied_statement(self._schema))
         row = await cursor.fetchone()
         current = int(row[0]) if row is not None else 0
         latest = migrate.latest_version()
@@ -474,9 +475,9 @@ class AsyncQueue:
                 f"lonnymq knows ({latest}): upgrade the lonnymq package"
             )
         for migration, text in migrate.pending(current):
-            await conn.execute(migrate.search_path_statement(self._schema))
-            await conn.execute(text.encode())
-            await conn.execute(migrate.record_statement(self._schema, migration))
+            await cursor.execute(migrate.search_path_statement(self._schema))
+            await cursor.execute(text.encode())
+            await cursor.execute(migrate.record_statement(self._schema, migration))
             current = migration.version
         return current
 
@@ -484,19 +485,17 @@ class AsyncQueue:
         started = perf_counter()
         ok = False
         try:
-            async with conn.transaction():
-                cursor = await conn.execute(
-                    migrate.may_create_statement(), {"schema": self._schema}
-                )
+            async with conn.transaction(), _cursor(conn) as cursor:
+                await cursor.execute(migrate.may_create_statement(), {"schema": self._schema})
                 row = await cursor.fetchone()
                 if row is not None and row[0] is False:
-                    current = await self._installed_version(conn)
+                    current = await self._installed_version(cursor)
                 else:
-                    current = await self._migrate_on(conn)
+                    current = await self._migrate_on(cursor)
                 if self._event_channel is not None or archive is not None:
                     # Only a change needs config_set (an admin's function): a granted role
                     # that asks for the settings already in place is not refused.
-                    cursor = await conn.execute(self._sql["config_get"])
+                    await cursor.execute(self._sql["config_get"])
                     settings = await cursor.fetchone()
                     assert settings is not None
                     event_channel, archived = settings
@@ -504,7 +503,7 @@ class AsyncQueue:
                         (self._event_channel or None) != event_channel
                     )
                     if new_events or (archive is not None and archive != archived):
-                        await conn.execute(
+                        await cursor.execute(
                             self._sql["config_set"],
                             {"event_channel": self._event_channel, "archive": archive},
                         )
@@ -515,12 +514,12 @@ class AsyncQueue:
         finally:
             self._recorder.record("install", perf_counter() - started, ok=ok)
 
-    async def _installed_version(self, conn: AsyncConnection[Any]) -> int:
+    async def _installed_version(self, cursor: AsyncCursor[Row]) -> int:
         """install() for a role that may not change the schema: it succeeds when there is
         nothing to do."""
         latest = migrate.latest_version()
         try:
-            cursor = await conn.execute(self._sql["schema_version"])
+            await cursor.execute(self._sql["schema_version"])
             row = await cursor.fetchone()
             current = int(row[0]) if row is not None else 0
         except psycopg.errors.UndefinedFunction:
@@ -1134,12 +1133,12 @@ def _check_isolation(conn: AsyncConnection[Any], label: str) -> bool:
     return False
 
 
-async def _check_server_isolation(conn: AsyncConnection[Any], label: str) -> None:
-    """Refuse ``conn`` for ``label`` when the server says its next statement would run above
-    READ COMMITTED (PostgreSQL runs READ UNCOMMITTED as READ COMMITTED). One round trip."""
-    async with AsyncCursor(conn, row_factory=tuple_row) as cursor:
-        await cursor.execute(_ISOLATION_STATEMENT)
-        row = await cursor.fetchone()
+async def _check_server_isolation(cursor: AsyncCursor[Row], label: str) -> None:
+    """Refuse the cursor's connection for ``label`` when the server says its next statement
+    would run above READ COMMITTED (PostgreSQL runs READ UNCOMMITTED as READ COMMITTED). One
+    round trip."""
+    await cursor.execute(_ISOLATION_STATEMENT)
+    row = await cursor.fetchone()
     level = str(row[0]) if row is not None else ""
     if level not in ("read committed", "read uncommitted"):
         raise _isolation_refused(label, level.upper())
@@ -1150,6 +1149,13 @@ def _isolation_refused(label: str, level: str) -> InvalidArgumentError:
         f"{label} must run at READ COMMITTED, and conn is at {level}: "
         "use a connection at READ COMMITTED (the default) for queue operations"
     )
+
+
+def _cursor(conn: AsyncConnection[Any]) -> AsyncCursor[Row]:
+    """A cursor of the queue's own on ``conn``: plain tuples, parameters bound by the server,
+    whatever ``row_factory`` or ``cursor_factory`` a caller gave the connection (a dict_row,
+    a ClientCursor or a RawCursor would change what the queue's statements send and read)."""
+    return AsyncCursor(conn, row_factory=tuple_row)
 
 
 def _check_conn(conn: object) -> None:

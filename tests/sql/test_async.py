@@ -7,6 +7,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from lonnymq import (
     AckStatus,
@@ -211,6 +212,27 @@ def test_async_write_refuses_a_connection_the_server_puts_above_read_committed(
                 with pytest.raises(InvalidArgumentError, match="conn is at REPEATABLE READ"):
                     await queue.create(b"x", conn=conn)
                 await conn.rollback()
+            assert await queue.stats() == []
+
+    asyncio.run(run())
+
+
+def test_async_callers_row_factory_does_not_change_results(dsn: str, schema_name: str) -> None:
+    async def run() -> None:
+        async with AsyncQueue(dsn, schema=schema_name) as queue:
+            await queue.install()
+            async with await psycopg.AsyncConnection.connect(
+                dsn, autocommit=True, row_factory=dict_row
+            ) as conn:
+                assert await queue.install(conn=conn) >= 1
+                assert (await queue.settings(conn=conn)).archive is False
+                created = await queue.create(b"x", channel="a", conn=conn)
+                assert created.status is CreateStatus.CREATED
+                assert [(s.channel, s.size) for s in await queue.stats(conn=conn)] == [("a", 1)]
+                message = await queue.dequeue(lock_ms=LOCK_MS, conn=conn)
+                assert message is not None
+                assert message.id == created.id
+                await message.delete(conn=conn)
             assert await queue.stats() == []
 
     asyncio.run(run())

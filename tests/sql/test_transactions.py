@@ -12,6 +12,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row, namedtuple_row
 
 from lonnymq import CreateStatus, InvalidArgumentError, NewMessage, Queue
 from lonnymq.migrate import latest_version
@@ -107,6 +108,47 @@ def test_delete_commits_with_a_business_write(
     rows = admin.execute(sql.SQL("SELECT content FROM {}").format(results)).fetchall()
     assert rows == [(b"work",)]
     assert queue.stats() == []
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        {"row_factory": dict_row},
+        {"row_factory": namedtuple_row},
+        {"cursor_factory": psycopg.ClientCursor},
+        {"cursor_factory": psycopg.RawCursor},
+    ],
+    ids=["dict_row", "namedtuple_row", "ClientCursor", "RawCursor"],
+)
+def test_a_callers_row_and_cursor_factories_do_not_change_results(
+    make_queue: Callable[..., Queue], dsn: str, factory: dict[str, Any]
+) -> None:
+    """The queue reads its statements' rows through cursors of its own: a dict_row used to
+    turn settings() and stats() into column names, silently, and a ClientCursor or RawCursor
+    refused the statements (or failed after they ran)."""
+    queue = make_queue(event_channel="ev_factories")
+    queue.channel("p").set_policy(max_size=5)
+    with psycopg.connect(dsn, autocommit=True, **factory) as conn:
+        assert queue.install(conn=conn) == latest_version()
+        assert queue.settings(conn=conn) == queue.settings()
+        assert queue.settings(conn=conn).event_channel == "ev_factories"
+        assert queue.now(conn=conn) > 0
+        created = queue.create(b"x", channel="p", conn=conn)
+        assert (created.status, created.channel_size) == (CreateStatus.CREATED, 1)
+        [many] = queue.create_many([NewMessage(b"y", channel="p")], conn=conn)
+        assert (many.status, many.channel_size) == (CreateStatus.CREATED, 2)
+        assert queue.stats(conn=conn) == queue.stats()
+        assert [(s.channel, s.size, s.policy.max_size) for s in queue.stats(conn=conn)] == [
+            ("p", 2, 5)
+        ]
+        message = queue.dequeue(lock_ms=LOCK_MS, conn=conn)
+        assert message is not None
+        assert (message.id, message.content) == (created.id, b"x")
+        message.delete(conn=conn)
+        assert queue.verify(conn=conn) == []
+        queue.schedule("tick", cron="0 0 * * *", content=b"t", channel="tasks", conn=conn)
+        assert [s.name for s in queue.schedules(conn=conn)] == ["tick"]
+    assert [(s.channel, s.size) for s in queue.stats()] == [("lonnymq.schedules", 1), ("p", 1)]
 
 
 # -- schemas and install -----------------------------------------------------------------
