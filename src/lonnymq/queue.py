@@ -23,7 +23,7 @@ from typing import Any, Self
 import psycopg
 from psycopg import Connection, Cursor, sql
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.pq import ConnStatus
+from psycopg.pq import ConnStatus, TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
@@ -711,13 +711,14 @@ class Queue:
         if conn is None:
             with self.transaction() as own:
                 return self.dead_letter(message, channel=target, error=text, conn=own)
-        created = self.create(message.content, channel=target, conn=conn)
-        if created.status is CreateStatus.DROPPED:
-            raise ChannelFullError(
-                f"dead-letter channel {target!r} is at its max_size: message {message_id} was not "
-                "moved and is still held; raise the limit or drain that channel"
-            )
-        self.fail(message, error=text, conn=conn)
+        with _atomic(conn):
+            created = self.create(message.content, channel=target, conn=conn)
+            if created.status is CreateStatus.DROPPED:
+                raise ChannelFullError(
+                    f"dead-letter channel {target!r} is at its max_size: message {message_id} "
+                    "was not moved and is still held; raise the limit or drain that channel"
+                )
+            self.fail(message, error=text, conn=conn)
         return created
 
     def defer(
@@ -948,7 +949,8 @@ class Queue:
         if conn is None:
             with self.transaction() as own:
                 return self._fire_on(driver, spec, own)
-        return self._fire_on(driver, spec, conn)
+        with _atomic(conn):
+            return self._fire_on(driver, spec, conn)
 
     def _fire_on(self, driver: Message, spec: ScheduleSpec, conn: Connection[Any]) -> Firing:
         last_fired = _schedule.decode_state(driver.state)
@@ -1132,6 +1134,21 @@ def _isolation_refused(label: str, level: str) -> InvalidArgumentError:
         f"{label} must run at READ COMMITTED, and conn is at {level}: "
         "use a connection at READ COMMITTED (the default) for queue operations"
     )
+
+
+@contextmanager
+def _atomic(conn: Connection[Any]) -> Iterator[None]:
+    """Make the block's statements on a caller's ``conn`` one transaction. On an autocommit
+    connection outside a transaction each statement would commit on its own: the block gets a
+    BEGIN and a COMMIT of its own (a ROLLBACK when it raises). Otherwise it runs in the
+    caller's transaction, the open one or the one its first statement opens, which the caller
+    commits or rolls back: never committed here."""
+    _check_conn(conn)
+    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        with conn.transaction():
+            yield
+    else:
+        yield
 
 
 def _cursor(conn: Connection[Any]) -> Cursor[Row]:

@@ -22,7 +22,7 @@ from typing import Any, Self
 import psycopg
 from psycopg import AsyncConnection, AsyncCursor, sql
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.pq import ConnStatus
+from psycopg.pq import ConnStatus, TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -720,13 +720,14 @@ class AsyncQueue:
         if conn is None:
             async with self.transaction() as own:
                 return await self.dead_letter(message, channel=target, error=text, conn=own)
-        created = await self.create(message.content, channel=target, conn=conn)
-        if created.status is CreateStatus.DROPPED:
-            raise ChannelFullError(
-                f"dead-letter channel {target!r} is at its max_size: message {message_id} was not "
-                "moved and is still held; raise the limit or drain that channel"
-            )
-        await self.fail(message, error=text, conn=conn)
+        async with _atomic(conn):
+            created = await self.create(message.content, channel=target, conn=conn)
+            if created.status is CreateStatus.DROPPED:
+                raise ChannelFullError(
+                    f"dead-letter channel {target!r} is at its max_size: message {message_id} "
+                    "was not moved and is still held; raise the limit or drain that channel"
+                )
+            await self.fail(message, error=text, conn=conn)
         return created
 
     async def defer(
@@ -963,7 +964,8 @@ class AsyncQueue:
         if conn is None:
             async with self.transaction() as own:
                 return await self._fire_on(driver, spec, own)
-        return await self._fire_on(driver, spec, conn)
+        async with _atomic(conn):
+            return await self._fire_on(driver, spec, conn)
 
     async def _fire_on(
         self, driver: AsyncMessage, spec: ScheduleSpec, conn: AsyncConnection[Any]
@@ -1149,6 +1151,21 @@ def _isolation_refused(label: str, level: str) -> InvalidArgumentError:
         f"{label} must run at READ COMMITTED, and conn is at {level}: "
         "use a connection at READ COMMITTED (the default) for queue operations"
     )
+
+
+@asynccontextmanager
+async def _atomic(conn: AsyncConnection[Any]) -> AsyncIterator[None]:
+    """Make the block's statements on a caller's ``conn`` one transaction. On an autocommit
+    connection outside a transaction each statement would commit on its own: the block gets a
+    BEGIN and a COMMIT of its own (a ROLLBACK when it raises). Otherwise it runs in the
+    caller's transaction, the open one or the one its first statement opens, which the caller
+    commits or rolls back: never committed here."""
+    _check_conn(conn)
+    if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        async with conn.transaction():
+            yield
+    else:
+        yield
 
 
 def _cursor(conn: AsyncConnection[Any]) -> AsyncCursor[Row]:

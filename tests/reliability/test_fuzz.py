@@ -1004,6 +1004,7 @@ def test_conn_that_is_not_a_connection_is_refused(shared_world: World) -> None:
             lambda c=conn: queue.dequeue(lock_ms=1000, conn=c),
             lambda c=conn: queue.channel("a").set_policy(max_size=1, conn=c),
             lambda c=conn: queue.heartbeat(world.held, lock_ms=1000, conn=c),
+            lambda c=conn: queue.dead_letter(world.held, channel="dl", error="e", conn=c),
         ):
             with pytest.raises(InvalidArgumentError, match="conn must be"):
                 call()

@@ -118,3 +118,66 @@ def test_dead_letter_into_a_full_channel_raises_and_keeps_the_message_held(
         CreateStatus.CREATED
     )
     assert _archive(admin, schema_name) == [(created.id, "failed", "gave up")]
+
+
+# -- two statements on an autocommit connection ------------------------------------------
+
+
+def test_dead_letter_on_an_autocommit_connection_is_one_transaction(queue: Queue, dsn: str) -> None:
+    """The copy used to commit on its own before the stale holder's fail was refused: the job
+    finished by its new holder was also in the dead-letter channel."""
+    queue.channel("dead").set_policy(max_concurrency=0)  # keeps the copy, if any, in sight
+    queue.create(b"job", channel="work")
+    first = queue.dequeue(lock_ms=1_000)
+    assert first is not None
+    queue.set_clock_offset(2_000)  # its lock expired
+    second = queue.dequeue(lock_ms=LOCK_MS)
+    assert second is not None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with pytest.raises(StaleMessageError):
+            queue.dead_letter(first, channel="dead", error="gave up", conn=conn)
+        assert conn.info.transaction_status is psycopg.pq.TransactionStatus.IDLE
+        # The holder may still move it, atomically too.
+        moved = queue.dead_letter(second, channel="dead", error="gave up", conn=conn)
+    assert moved.status is CreateStatus.CREATED
+    assert {s.channel: s.size for s in queue.stats()} == {"dead": 1}
+    assert queue.verify() == []
+
+
+def test_fire_schedule_on_an_autocommit_connection_is_one_transaction(
+    queue: Queue, dsn: str
+) -> None:
+    """The task used to commit on its own before the stale driver's defer was refused: the
+    schedule fired twice for one time."""
+    queue.schedule("tick", cron="* * * * *", content=b"task", channel="tasks")
+    queue.set_clock_offset(61_000)
+    first = queue.dequeue(lock_ms=1_000)
+    assert first is not None
+    assert first.channel == "lonnymq.schedules"
+    queue.set_clock_offset(63_000)  # its lock expired
+    second = queue.dequeue(lock_ms=LOCK_MS)
+    assert second is not None
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with pytest.raises(StaleMessageError):
+            queue.fire_schedule(first, conn=conn)
+        assert [s.channel for s in queue.stats()] == ["lonnymq.schedules"]
+        firing = queue.fire_schedule(second, conn=conn)
+    assert firing.fire_at is not None
+    tasks = queue.dequeue_many(10, lock_ms=LOCK_MS)
+    assert [(t.channel, t.content) for t in tasks] == [("tasks", b"task")]
+    queue.delete_many(tasks)
+    assert queue.verify() == []
+
+
+def test_dead_letter_in_a_callers_transaction_is_not_committed_by_the_queue(
+    queue: Queue, dsn: str
+) -> None:
+    queue.create(b"job", channel="work")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    with psycopg.connect(dsn) as conn:
+        queue.dead_letter(held, channel="dead", error="gave up", conn=conn)
+        assert conn.info.transaction_status is psycopg.pq.TransactionStatus.INTRANS
+        conn.rollback()
+    assert {s.channel: (s.size, s.in_flight) for s in queue.stats()} == {"work": (1, 1)}
+    held.delete()
