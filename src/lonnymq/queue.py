@@ -116,6 +116,11 @@ _POOLED_SETTINGS = "SET default_transaction_isolation TO 'read committed'"
 """What the queue sets on each pooled connection: its own statements run at READ COMMITTED
 whatever the server's or the role's default (see ``_check_isolation``)."""
 
+_RESTORE_STATEMENT = "RESET ALL; " + _POOLED_SETTINGS
+"""What undoes the settings a caller made on a connection that ``transaction()`` lent: RESET
+takes every setting back to the connection's start (the server's, role's and DSN's values),
+then the pool's own settings again."""
+
 _ISOLATION_STATEMENT = "SHOW transaction_isolation"
 """The level the next statement on a connection runs at: of its transaction when one is open,
 else the session's default (which the server, the role, the database or the DSN's options
@@ -142,6 +147,21 @@ def _check_pooled(conn: Connection[Any]) -> None:
     else:
         return
     raise psycopg.OperationalError("the pooled connection was closed by the server")
+
+
+def _restore_lent(conn: Connection[Any]) -> None:
+    """Undo what a caller may have set on a pooled connection ``transaction()`` lent, before
+    the pool hands it out again: psycopg's factories, and the session's settings. One that
+    cannot be restored is closed, and the pool replaces it."""
+    conn.row_factory = tuple_row
+    conn.cursor_factory = Cursor
+    if conn.closed:
+        return
+    try:
+        with _cursor(conn) as cursor:
+            cursor.execute(_RESTORE_STATEMENT)
+    except psycopg.Error:
+        conn.close()
 
 
 def _regrow(pool: ConnectionPool) -> None:
@@ -427,11 +447,25 @@ class Queue:
     @contextmanager
     def transaction(self) -> Iterator[Connection[Any]]:
         """A pooled connection inside a transaction, committed when the block ends (rolled
-        back on error): pass it as ``conn=`` to make several operations atomic."""
+        back on error): pass it as ``conn=`` to make several operations atomic.
+
+        What the block sets on the connection (``row_factory``, ``cursor_factory``, ``SET``)
+        is undone when it ends."""
+        with self._transaction(lent=True) as conn:
+            yield conn
+
+    @contextmanager
+    def _transaction(self, *, lent: bool = False) -> Iterator[Connection[Any]]:
+        """``transaction()``; ``lent``: the caller had the connection, restore it after."""
         pool = self._get_pool()
         try:
-            with pool.connection() as pooled, pooled.transaction():
-                yield pooled
+            with pool.connection() as pooled:
+                try:
+                    with pooled.transaction():
+                        yield pooled
+                finally:
+                    if lent:
+                        _restore_lent(pooled)
         except psycopg.Error as err:
             raise translate(err, schema=self._schema) from err
 
@@ -709,7 +743,7 @@ class Queue:
         target = _core.check_target_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
-            with self.transaction() as own:
+            with self._transaction() as own:
                 return self.dead_letter(message, channel=target, error=text, conn=own)
         with _atomic(conn):
             created = self.create(message.content, channel=target, conn=conn)
@@ -947,7 +981,7 @@ class Queue:
             raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
         spec = ScheduleSpec.decode(driver.content)
         if conn is None:
-            with self.transaction() as own:
+            with self._transaction() as own:
                 return self._fire_on(driver, spec, own)
         with _atomic(conn):
             return self._fire_on(driver, spec, conn)

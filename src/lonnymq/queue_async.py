@@ -115,6 +115,11 @@ _POOLED_SETTINGS = "SET default_transaction_isolation TO 'read committed'"
 """What the queue sets on each pooled connection: its own statements run at READ COMMITTED
 whatever the server's or the role's default (see ``_check_isolation``)."""
 
+_RESTORE_STATEMENT = "RESET ALL; " + _POOLED_SETTINGS
+"""What undoes the settings a caller made on a connection that ``transaction()`` lent: RESET
+takes every setting back to the connection's start (the server's, role's and DSN's values),
+then the pool's own settings again."""
+
 _ISOLATION_STATEMENT = "SHOW transaction_isolation"
 """The level the next statement on a connection runs at: of its transaction when one is open,
 else the session's default (which the server, the role, the database or the DSN's options
@@ -141,6 +146,21 @@ async def _check_pooled(conn: AsyncConnection[Any]) -> None:
     else:
         return
     raise psycopg.OperationalError("the pooled connection was closed by the server")
+
+
+async def _restore_lent(conn: AsyncConnection[Any]) -> None:
+    """Undo what a caller may have set on a pooled connection ``transaction()`` lent, before
+    the pool hands it out again: psycopg's factories, and the session's settings. One that
+    cannot be restored is closed, and the pool replaces it."""
+    conn.row_factory = tuple_row
+    conn.cursor_factory = AsyncCursor
+    if conn.closed:
+        return
+    try:
+        async with _cursor(conn) as cursor:
+            await cursor.execute(_RESTORE_STATEMENT)
+    except psycopg.Error:
+        await conn.close()
 
 
 async def _regrow(pool: AsyncConnectionPool) -> None:
@@ -428,11 +448,25 @@ class AsyncQueue:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection[Any]]:
         """A pooled connection inside a transaction, committed when the block ends (rolled
-        back on error): pass it as ``conn=`` to make several operations atomic."""
+        back on error): pass it as ``conn=`` to make several operations atomic.
+
+        What the block sets on the connection (``row_factory``, ``cursor_factory``, ``SET``)
+        is undone when it ends."""
+        async with self._transaction(lent=True) as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def _transaction(self, *, lent: bool = False) -> AsyncIterator[AsyncConnection[Any]]:
+        """``transaction()``; ``lent``: the caller had the connection, restore it after."""
         pool = await self._get_pool()
         try:
-            async with pool.connection() as pooled, pooled.transaction():
-                yield pooled
+            async with pool.connection() as pooled:
+                try:
+                    async with pooled.transaction():
+                        yield pooled
+                finally:
+                    if lent:
+                        await _restore_lent(pooled)
         except psycopg.Error as err:
             raise translate(err, schema=self._schema) from err
 
@@ -718,7 +752,7 @@ class AsyncQueue:
         target = _core.check_target_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
-            async with self.transaction() as own:
+            async with self._transaction() as own:
                 return await self.dead_letter(message, channel=target, error=text, conn=own)
         async with _atomic(conn):
             created = await self.create(message.content, channel=target, conn=conn)
@@ -962,7 +996,7 @@ class AsyncQueue:
             raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
         spec = ScheduleSpec.decode(driver.content)
         if conn is None:
-            async with self.transaction() as own:
+            async with self._transaction() as own:
                 return await self._fire_on(driver, spec, own)
         async with _atomic(conn):
             return await self._fire_on(driver, spec, conn)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.rows import dict_row, tuple_row
 
 from lonnymq import (
     ChannelFullError,
@@ -181,3 +183,65 @@ def test_dead_letter_in_a_callers_transaction_is_not_committed_by_the_queue(
         conn.rollback()
     assert {s.channel: (s.size, s.in_flight) for s in queue.stats()} == {"work": (1, 1)}
     held.delete()
+
+
+# -- the connection transaction() lends --------------------------------------------------
+
+
+def _session(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
+    with psycopg.Cursor(conn) as cursor:
+        cursor.execute(
+            "SELECT pg_backend_pid(), current_setting('statement_timeout'),"
+            " current_setting('default_transaction_isolation'), current_setting('search_path'),"
+            " current_setting('application_name')"
+        )
+        row = cursor.fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def test_what_a_transaction_block_sets_does_not_stay_on_the_pooled_connection(
+    make_queue: Callable[..., Queue],
+) -> None:
+    queue = make_queue(pool_size=1)  # every block gets the same connection
+    queue.create(b"x", channel="a")
+    with queue.transaction() as conn:
+        before = _session(conn)
+        conn.row_factory = dict_row  # to read the caller's own rows as dicts
+        conn.cursor_factory = psycopg.ClientCursor
+        conn.execute("SET statement_timeout = 1")
+        conn.execute("SET default_transaction_isolation TO 'serializable'")
+        conn.execute("SET search_path TO nowhere")
+        conn.execute("SET application_name TO 'the caller'")
+    with queue.transaction() as conn:
+        assert conn.row_factory is tuple_row
+        assert conn.cursor_factory is psycopg.Cursor
+        assert _session(conn) == before
+        assert before[1:3] == ("0", "read committed")
+    # The pooled operations see the queue's own settings.
+    assert queue.settings().archive is False
+    assert [(s.channel, s.size) for s in queue.stats()] == [("a", 1)]
+    assert queue.create(b"y", channel="a").status is CreateStatus.CREATED
+
+
+def test_only_a_lent_connection_is_restored(
+    make_queue: Callable[..., Queue], tmp_path: Path
+) -> None:
+    """The restore is one round trip paid at the end of a transaction() block; pooled
+    operations, dead_letter and fire_schedule among them, do not pay it."""
+    queue = make_queue(pool_size=1)
+    queue.create(b"x", channel="a")
+    held = queue.dequeue(lock_ms=LOCK_MS)
+    assert held is not None
+    trace_path = tmp_path / "trace"
+    with open(trace_path, "w") as trace:
+        with queue.transaction() as conn:
+            conn.pgconn.trace(trace.fileno())
+        queue.create(b"y", channel="a")
+        queue.dead_letter(held, channel="dead", error="gave up")
+        with queue.transaction() as conn:
+            conn.pgconn.untrace()
+    sent = trace_path.read_text()
+    assert "message_create" in sent
+    assert "message_delete" in sent
+    assert sent.count("RESET ALL") == 1
