@@ -34,6 +34,7 @@ from .archive import ArchivedMessage, ReplayResult
 from .embedded import check_data_dir, embedded_dsn, resolve_dsn
 from .errors import (
     ChannelFullError,
+    DatabaseError,
     InvalidArgumentError,
     PermissionDeniedError,
     SchemaVersionError,
@@ -451,7 +452,10 @@ class AsyncQueue:
         back on error): pass it as ``conn=`` to make several operations atomic.
 
         What the block sets on the connection (``row_factory``, ``cursor_factory``, ``SET``)
-        is undone when it ends."""
+        is undone when it ends. An error the block raises comes out as it was (your own
+        statements' psycopg errors stay psycopg's); a block that caught an error which aborted
+        the transaction raises :class:`~lonnymq.errors.DatabaseError` at its end, since
+        nothing it did was kept."""
         async with self._transaction(lent=True) as conn:
             yield conn
 
@@ -459,15 +463,30 @@ class AsyncQueue:
     async def _transaction(self, *, lent: bool = False) -> AsyncIterator[AsyncConnection[Any]]:
         """``transaction()``; ``lent``: the caller had the connection, restore it after."""
         pool = await self._get_pool()
+        raised: BaseException | None = None
         try:
             async with pool.connection() as pooled:
                 try:
                     async with pooled.transaction():
-                        yield pooled
+                        try:
+                            yield pooled
+                        except BaseException as err:
+                            raised = err
+                            raise
+                        if pooled.info.transaction_status == TransactionStatus.INERROR:
+                            # psycopg would send COMMIT, which the server turns into a
+                            # ROLLBACK without a word.
+                            raise DatabaseError(
+                                "the transaction was aborted by an error caught inside the "
+                                "transaction() block, and rolled back: nothing it did was kept",
+                                "25P02",
+                            )
                 finally:
                     if lent:
                         await _restore_lent(pooled)
         except psycopg.Error as err:
+            if err is raised:
+                raise
             raise translate(err, schema=self._schema) from err
 
     def operation_stats(self) -> list[OperationStats]:

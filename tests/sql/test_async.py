@@ -13,6 +13,7 @@ from lonnymq import (
     AckStatus,
     AsyncQueue,
     CreateStatus,
+    DatabaseError,
     InvalidArgumentError,
     MessageNotFoundError,
     NewMessage,
@@ -233,6 +234,31 @@ def test_async_callers_row_factory_does_not_change_results(dsn: str, schema_name
                 assert message is not None
                 assert message.id == created.id
                 await message.delete(conn=conn)
+            assert await queue.stats() == []
+
+    asyncio.run(run())
+
+
+def test_async_transaction_block_that_caught_an_error_raises_at_its_end(
+    dsn: str, schema_name: str
+) -> None:
+    async def catch_inside(queue: AsyncQueue) -> None:
+        async with queue.transaction() as conn:
+            await queue.create(b"x", channel="a", conn=conn)
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                await conn.execute("SELECT 1/0")
+
+    async def fail_inside(queue: AsyncQueue) -> None:
+        async with queue.transaction() as conn:
+            await conn.execute("SELECT 1/0")
+
+    async def run() -> None:
+        async with AsyncQueue(dsn, schema=schema_name) as queue:
+            await queue.install()
+            with pytest.raises(DatabaseError, match="aborted by an error caught"):
+                await catch_inside(queue)
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                await fail_inside(queue)
             assert await queue.stats() == []
 
     asyncio.run(run())

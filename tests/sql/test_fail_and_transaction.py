@@ -14,6 +14,7 @@ from psycopg.rows import dict_row, tuple_row
 from lonnymq import (
     ChannelFullError,
     CreateStatus,
+    DatabaseError,
     InvalidArgumentError,
     Queue,
     StaleMessageError,
@@ -245,3 +246,75 @@ def test_only_a_lent_connection_is_restored(
     assert "message_create" in sent
     assert "message_delete" in sent
     assert sent.count("RESET ALL") == 1
+
+
+def test_a_transaction_block_that_caught_an_error_raises_at_its_end(queue: Queue) -> None:
+    """The error aborted the transaction and everything in it was rolled back: the block used
+    to end as if it had committed."""
+    queue.create(b"job", channel="w")
+    first = queue.dequeue(lock_ms=1_000)
+    assert first is not None
+    queue.set_clock_offset(2_000)  # its lock expired
+    second = queue.dequeue(lock_ms=LOCK_MS)
+    assert second is not None
+
+    def catch_inside() -> None:
+        with queue.transaction() as conn:
+            queue.create(b"side effect", channel="other", conn=conn)
+            with pytest.raises(StaleMessageError):
+                first.delete(conn=conn)
+
+    with pytest.raises(DatabaseError, match="aborted by an error caught") as caught:
+        catch_inside()
+    assert caught.value.sqlstate == "25P02"
+    assert [(s.channel, s.size) for s in queue.stats()] == [("w", 1)]
+    # A savepoint (psycopg's nested transaction) keeps the rest of the block.
+    with queue.transaction() as conn:
+        queue.create(b"side effect", channel="other", conn=conn)
+        with pytest.raises(StaleMessageError), conn.transaction():
+            first.delete(conn=conn)
+        second.delete(conn=conn)
+    assert [(s.channel, s.size) for s in queue.stats()] == [("other", 1)]
+
+
+@pytest.mark.parametrize(
+    ("statement", "error"),
+    [
+        ("INSERT INTO no_such_orders VALUES (1)", psycopg.errors.UndefinedTable),
+        ("SELECT 1/0", psycopg.errors.DivisionByZero),
+    ],
+)
+def test_a_transaction_block_keeps_its_own_errors(
+    queue: Queue, statement: str, error: type[psycopg.Error]
+) -> None:
+    """The caller's own failing statement used to come out as a lonnymq error: a missing table
+    of theirs as SchemaNotInstalledError ('call install() first')."""
+
+    def fail_inside() -> None:
+        with queue.transaction() as conn:
+            queue.create(b"x", channel="a", conn=conn)
+            conn.execute(statement)
+
+    with pytest.raises(error):
+        fail_inside()
+    assert queue.stats() == []
+
+
+def test_a_transaction_blocks_commit_error_is_a_lonnymq_error(
+    queue: Queue, admin: psycopg.Connection[Any], schema_name: str
+) -> None:
+    """The COMMIT is transaction()'s own: what it raises is translated."""
+    orders = sql.Identifier(schema_name, "orders")
+    admin.execute(
+        sql.SQL("CREATE TABLE {} (id INT UNIQUE DEFERRABLE INITIALLY DEFERRED)").format(orders)
+    )
+
+    def commit_fails() -> None:
+        with queue.transaction() as conn:
+            queue.create(b"x", channel="a", conn=conn)
+            conn.execute(sql.SQL("INSERT INTO {} VALUES (1), (1)").format(orders))
+
+    with pytest.raises(DatabaseError) as caught:
+        commit_fails()
+    assert caught.value.sqlstate == "23505"
+    assert queue.stats() == []
