@@ -1,0 +1,113 @@
+"""Creates and policy operations combined in one transaction, two such transactions at once
+(the README's "Safe to combine in one transaction").
+
+Every ``create`` holds its channel's advisory lock in shared mode until commit (and the
+channel's row too when the channel has a policy); a policy operation takes that lock in
+exclusive mode, then the row. So on one channel the policy operation must come first: a
+transaction that creates and then sets the policy has to turn its shared lock into an
+exclusive one, and two of them wait for each other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from lonnymq import Queue, TransactionConflictError
+
+
+def _wait_until_blocked(admin: psycopg.Connection[Any], pid: int) -> None:
+    """Return once backend ``pid`` waits for a heavyweight lock."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        row = admin.execute(
+            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+        if row is not None and row[0] == "Lock":
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"backend {pid} never waited for a lock")
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Run ``call`` in a thread; its result (or the exception it raised) lands in the list."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except Exception as exc:  # reported by the test's assertions
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def _outcome(conn: psycopg.Connection[Any], steps: Callable[[], object]) -> str:
+    """Run ``steps`` in ``conn``'s transaction; commit, or roll back what raised a conflict."""
+    try:
+        steps()
+    except TransactionConflictError as err:
+        conn.rollback()
+        return f"conflict {err.sqlstate}"
+    conn.commit()
+    return "committed"
+
+
+@pytest.mark.parametrize("had_policy", [False, True], ids=["policy-free", "with a policy"])
+def test_policy_before_create_on_one_channel_is_safe(
+    dsn: str, queue: Queue, admin: psycopg.Connection[Any], had_policy: bool
+) -> None:
+    """A: set_policy(a); B: set_policy(a), waits for A; A: create(a), commits; B: create(a),
+    commits. A already holds the channel's lock exclusively, so its create waits for no one."""
+    if had_policy:
+        queue.channel("a").set_policy(max_size=100)
+    queue.create(b"seed", channel="a")
+    with psycopg.connect(dsn) as a, psycopg.connect(dsn) as b:
+
+        def b_steps() -> None:
+            queue.channel("a").set_policy(max_size=52, conn=b)
+            queue.create(b"from b", channel="a", conn=b)
+
+        queue.channel("a").set_policy(max_size=51, conn=a)
+        thread, out = _in_thread(lambda: _outcome(b, b_steps))
+        _wait_until_blocked(admin, b.info.backend_pid)
+        assert _outcome(a, lambda: queue.create(b"from a", channel="a", conn=a)) == "committed"
+        thread.join(timeout=60)
+        assert out == ["committed"]
+    [stats] = queue.stats()
+    assert (stats.channel, stats.size, stats.policy.max_size) == ("a", 3, 52)
+    assert queue.verify() == []
+
+
+@pytest.mark.parametrize("had_policy", [False, True], ids=["policy-free", "with a policy"])
+def test_create_before_policy_on_one_channel_deadlocks(
+    dsn: str, queue: Queue, admin: psycopg.Connection[Any], had_policy: bool
+) -> None:
+    """A: create(a); B: create(a) and set_policy(a), which waits for A's shared lock (for a
+    channel with a policy, B's create already waits for A's row); A: set_policy(a), which
+    waits for B's shared lock. PostgreSQL rolls one back; the other commits."""
+    if had_policy:
+        queue.channel("a").set_policy(max_size=100)
+    queue.create(b"seed", channel="a")
+    with psycopg.connect(dsn) as a, psycopg.connect(dsn) as b:
+
+        def b_steps() -> None:
+            queue.create(b"from b", channel="a", conn=b)
+            queue.channel("a").set_policy(max_size=52, conn=b)
+
+        queue.create(b"from a", channel="a", conn=a)
+        thread, out = _in_thread(lambda: _outcome(b, b_steps))
+        _wait_until_blocked(admin, b.info.backend_pid)
+        mine = _outcome(a, lambda: queue.channel("a").set_policy(max_size=51, conn=a))
+        thread.join(timeout=60)
+        assert sorted([mine, *out]) == ["committed", "conflict 40P01"]
+    [stats] = queue.stats()
+    assert stats.size == 2
+    assert queue.verify() == []
