@@ -115,6 +115,18 @@ def search_path_statement(schema: str) -> sql.Composed:
     )
 
 
+def search_path_show_statement() -> sql.SQL:
+    return sql.SQL("SHOW search_path")
+
+
+def search_path_restore_statement() -> sql.Composed:
+    # SET LOCAL lasts to the end of the transaction, the caller's when install() runs in it:
+    # its own value back, for the rest of that transaction (after it, the session's anyway).
+    return sql.SQL("SELECT set_config('search_path', {}, true)").format(
+        sql.Placeholder("search_path")
+    )
+
+
 def record_statement(schema: str, migration: Migration) -> sql.Composed:
     return sql.SQL("INSERT INTO {}.migration (version, name) VALUES ({}, {})").format(
         sql.Identifier(schema), sql.Literal(migration.version), sql.Literal(migration.name)

@@ -524,11 +524,18 @@ class Queue:
                 f"schema {self._schema!r} is at version {current}, newer than this "
                 f"lonnymq knows ({latest}): upgrade the lonnymq package"
             )
-        for migration, text in migrate.pending(current):
+        pending = migrate.pending(current)
+        if not pending:
+            return current
+        cursor.execute(migrate.search_path_show_statement())
+        shown = cursor.fetchone()
+        assert shown is not None
+        for migration, text in pending:
             cursor.execute(migrate.search_path_statement(self._schema))
             cursor.execute(text.encode())
             cursor.execute(migrate.record_statement(self._schema, migration))
             current = migration.version
+        cursor.execute(migrate.search_path_restore_statement(), {"search_path": shown[0]})
         return current
 
     def _install_on(self, conn: Connection[Any], archive: bool | None) -> int:

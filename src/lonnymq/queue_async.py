@@ -527,11 +527,18 @@ class AsyncQueue:
                 f"schema {self._schema!r} is at version {current}, newer than this "
                 f"lonnymq knows ({latest}): upgrade the lonnymq package"
             )
-        for migration, text in migrate.pending(current):
+        pending = migrate.pending(current)
+        if not pending:
+            return current
+        await cursor.execute(migrate.search_path_show_statement())
+        shown = await cursor.fetchone()
+        assert shown is not None
+        for migration, text in pending:
             await cursor.execute(migrate.search_path_statement(self._schema))
             await cursor.execute(text.encode())
             await cursor.execute(migrate.record_statement(self._schema, migration))
             current = migration.version
+        await cursor.execute(migrate.search_path_restore_statement(), {"search_path": shown[0]})
         return current
 
     async def _install_on(self, conn: AsyncConnection[Any], archive: bool | None) -> int:

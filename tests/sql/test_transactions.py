@@ -195,6 +195,28 @@ def test_install_is_idempotent(
     assert migrations[-1] == (version,)
 
 
+def test_install_in_a_callers_transaction_leaves_its_search_path_alone(
+    dsn: str, schema_name: str, other_schema: str, admin: psycopg.Connection[Any]
+) -> None:
+    """The migrations set the queue's schema as the search_path (SET LOCAL): it used to stay
+    for the rest of the caller's transaction, so the caller's own 'message' table resolved to
+    the queue's."""
+    app = sql.Identifier(other_schema)
+    admin.execute(sql.SQL("CREATE SCHEMA {}").format(app))
+    admin.execute(sql.SQL("CREATE TABLE {}.message (id INT, note TEXT)").format(app))
+    with Queue(dsn, schema=schema_name) as queue, psycopg.connect(dsn) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(app))
+        conn.execute("INSERT INTO message VALUES (1, 'before install')")
+        before = conn.execute("SHOW search_path").fetchone()
+        assert queue.install(conn=conn) == latest_version()
+        assert conn.execute("SHOW search_path").fetchone() == before
+        conn.execute("INSERT INTO message VALUES (2, 'after install')")
+        conn.commit()
+        assert queue.create(b"x").status is CreateStatus.CREATED
+    notes = admin.execute(sql.SQL("SELECT note FROM {}.message ORDER BY id").format(app))
+    assert notes.fetchall() == [("before install",), ("after install",)]
+
+
 def test_concurrent_installs_into_a_new_schema(
     dsn: str, admin: psycopg.Connection[Any], other_schema: str
 ) -> None:
