@@ -500,6 +500,8 @@ class Queue:
         Safe to call at every start and from several processes at once. The queue's
         ``event_channel``, when set, is recorded so that operations publish wake-up events on
         it; ``archive`` turns the archive of finished messages on or off (``None`` keeps it).
+        On ``conn`` it runs in the caller's transaction, which the caller commits (in one of
+        its own on an autocommit connection).
         """
         if archive is not None and not isinstance(archive, bool):
             raise InvalidArgumentError(f"archive must be a bool, got {archive!r}")
@@ -542,7 +544,7 @@ class Queue:
         started = perf_counter()
         ok = False
         try:
-            with conn.transaction(), _cursor(conn) as cursor:
+            with _atomic(conn), _cursor(conn) as cursor:
                 cursor.execute(migrate.may_create_statement(), {"schema": self._schema})
                 row = cursor.fetchone()
                 if row is not None and row[0] is False:

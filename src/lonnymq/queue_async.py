@@ -503,6 +503,8 @@ class AsyncQueue:
         Safe to call at every start and from several processes at once. The queue's
         ``event_channel``, when set, is recorded so that operations publish wake-up events on
         it; ``archive`` turns the archive of finished messages on or off (``None`` keeps it).
+        On ``conn`` it runs in the caller's transaction, which the caller commits (in one of
+        its own on an autocommit connection).
         """
         if archive is not None and not isinstance(archive, bool):
             raise InvalidArgumentError(f"archive must be a bool, got {archive!r}")
@@ -545,7 +547,7 @@ class AsyncQueue:
         started = perf_counter()
         ok = False
         try:
-            async with conn.transaction(), _cursor(conn) as cursor:
+            async with _atomic(conn), _cursor(conn) as cursor:
                 await cursor.execute(migrate.may_create_statement(), {"schema": self._schema})
                 row = await cursor.fetchone()
                 if row is not None and row[0] is False:

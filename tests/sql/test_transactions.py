@@ -217,6 +217,24 @@ def test_install_in_a_callers_transaction_leaves_its_search_path_alone(
     assert notes.fetchall() == [("before install",), ("after install",)]
 
 
+def test_install_on_a_callers_idle_connection_commits_with_the_caller(
+    dsn: str, schema_name: str, admin: psycopg.Connection[Any]
+) -> None:
+    """On a connection not in autocommit mode install() used to commit on its own (psycopg's
+    transaction() on an idle connection); it runs in the caller's transaction now, as every
+    operation with conn= does."""
+    installed = "SELECT count(*) FROM pg_namespace WHERE nspname = %s"
+    with Queue(dsn, schema=schema_name) as queue, psycopg.connect(dsn) as conn:
+        assert queue.install(conn=conn) == latest_version()
+        assert conn.info.transaction_status is psycopg.pq.TransactionStatus.INTRANS
+        conn.rollback()
+        assert admin.execute(installed, [schema_name]).fetchone() == (0,)
+        assert queue.install(conn=conn) == latest_version()
+        conn.commit()
+        assert admin.execute(installed, [schema_name]).fetchone() == (1,)
+        assert queue.create(b"x").status is CreateStatus.CREATED
+
+
 def test_concurrent_installs_into_a_new_schema(
     dsn: str, admin: psycopg.Connection[Any], other_schema: str
 ) -> None:
