@@ -10,9 +10,9 @@ exclusive one, and two of them wait for each other.
 
 from __future__ import annotations
 
-import threading
-import time
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -20,33 +20,8 @@ import pytest
 
 from lonnymq import Queue, TransactionConflictError
 
-
-def _wait_until_blocked(admin: psycopg.Connection[Any], pid: int) -> None:
-    """Return once backend ``pid`` waits for a heavyweight lock."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        row = admin.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
-        ).fetchone()
-        if row is not None and row[0] == "Lock":
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"backend {pid} never waited for a lock")
-
-
-def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """Run ``call`` in a thread; its result (or the exception it raised) lands in the list."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except Exception as exc:  # reported by the test's assertions
-            out.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
+sys.path.insert(0, str(Path(__file__).parent))
+from lock_helpers import in_thread, wait_until_blocked
 
 
 def _outcome(conn: psycopg.Connection[Any], steps: Callable[[], object]) -> str:
@@ -76,8 +51,8 @@ def test_policy_before_create_on_one_channel_is_safe(
             queue.create(b"from b", channel="a", conn=b)
 
         queue.channel("a").set_policy(max_size=51, conn=a)
-        thread, out = _in_thread(lambda: _outcome(b, b_steps))
-        _wait_until_blocked(admin, b.info.backend_pid)
+        thread, out = in_thread(lambda: _outcome(b, b_steps))
+        wait_until_blocked(admin, b.info.backend_pid)
         assert _outcome(a, lambda: queue.create(b"from a", channel="a", conn=a)) == "committed"
         thread.join(timeout=60)
         assert out == ["committed"]
@@ -103,8 +78,8 @@ def test_create_before_policy_on_one_channel_deadlocks(
             queue.channel("a").set_policy(max_size=52, conn=b)
 
         queue.create(b"from a", channel="a", conn=a)
-        thread, out = _in_thread(lambda: _outcome(b, b_steps))
-        _wait_until_blocked(admin, b.info.backend_pid)
+        thread, out = in_thread(lambda: _outcome(b, b_steps))
+        wait_until_blocked(admin, b.info.backend_pid)
         mine = _outcome(a, lambda: queue.channel("a").set_policy(max_size=51, conn=a))
         thread.join(timeout=60)
         assert sorted([mine, *out]) == ["committed", "conflict 40P01"]

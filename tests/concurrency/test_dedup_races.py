@@ -9,9 +9,9 @@ never a deadlock.
 
 from __future__ import annotations
 
+import sys
 import threading
-import time
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -19,35 +19,10 @@ import pytest
 
 from lonnymq import DatabaseError, NewMessage, Queue, TransactionConflictError
 
+sys.path.insert(0, str(Path(__file__).parent))
+from lock_helpers import in_thread, wait_until_blocked
+
 HOUR_MS = 3_600_000
-
-
-def _wait_until_blocked(admin: psycopg.Connection[Any], pid: int) -> None:
-    """Return once backend ``pid`` waits for a heavyweight lock."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        row = admin.execute(
-            "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (pid,)
-        ).fetchone()
-        if row is not None and row[0] == "Lock":
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"backend {pid} never waited for a lock")
-
-
-def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """Run ``call`` in a thread; its result (or the exception it raised) lands in the list."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except Exception as exc:  # reported by the test's assertions
-            out.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
 
 
 def _joined(thread: threading.Thread, out: list[Any]) -> Any:
@@ -70,12 +45,12 @@ def test_a_batch_behind_an_uncommitted_single_create_reports_deduplicated(
         assert first.status == "created"
         with psycopg.connect(dsn) as batch:
             pid = batch.info.backend_pid
-            thread, out = _in_thread(
+            thread, out = in_thread(
                 lambda: queue.create_many(
                     [NewMessage(b"batch", channel="c", dedup_key="k")], conn=batch
                 )[0]
             )
-            _wait_until_blocked(admin, pid)
+            wait_until_blocked(admin, pid)
             single.commit()
             second = _joined(thread, out)
             batch.commit()
@@ -94,8 +69,8 @@ def test_a_key_repeated_in_the_batch_follows_its_first_item_when_that_one_lost(
         first = queue.create(b"single", channel="c", dedup_key="k1", conn=single)
         with psycopg.connect(dsn) as batch:
             items = [NewMessage(b"b", channel="c", dedup_key=k) for k in ("k2", "k1", "k1")]
-            thread, out = _in_thread(lambda: queue.create_many(items, conn=batch))
-            _wait_until_blocked(admin, batch.info.backend_pid)
+            thread, out = in_thread(lambda: queue.create_many(items, conn=batch))
+            wait_until_blocked(admin, batch.info.backend_pid)
             single.commit()
             results = _joined(thread, out)
             batch.commit()
@@ -120,10 +95,10 @@ def test_a_single_create_behind_a_batch_holding_the_channel_does_not_deadlock(
         assert held[0].status == "created"
         with psycopg.connect(dsn) as single:
             pid = single.info.backend_pid
-            thread, out = _in_thread(
+            thread, out = in_thread(
                 lambda: queue.create(b"single", channel="c", dedup_key="k", conn=single)
             )
-            _wait_until_blocked(admin, pid)
+            wait_until_blocked(admin, pid)
             mine = queue.create_many([NewMessage(b"batch", channel="c", dedup_key="k")], conn=batch)
             batch.commit()
             theirs = _joined(thread, out)
@@ -195,10 +170,10 @@ def test_a_deadlock_left_to_postgresql_is_a_typed_retryable_error(
     outcomes: list[Any] = []
     with psycopg.connect(dsn) as holder, psycopg.connect(dsn) as batch:
         queue.create(b"keyed", channel="c", dedup_key="k", dequeue_at=later + HOUR_MS, conn=holder)
-        thread, out = _in_thread(
+        thread, out = in_thread(
             lambda: queue.create_many([NewMessage(b"b", channel="c", dedup_key="k")], conn=batch)
         )
-        _wait_until_blocked(admin, batch.info.backend_pid)
+        wait_until_blocked(admin, batch.info.backend_pid)
         try:
             outcomes.append(queue.create(b"now", channel="c", conn=holder))
         except TransactionConflictError as err:
