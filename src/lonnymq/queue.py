@@ -1016,14 +1016,6 @@ class Queue:
             return self._fire_on(driver, spec, conn)
 
     def _fire_on(self, driver: Message, spec: ScheduleSpec, conn: Connection[Any]) -> Firing:
-        # Take the driver's row first (fenced by its attempt count, as the defer is), then
-        # read its spec as it is now: a schedule changed since the driver was taken counts
-        # from its change, not from the spec the driver carried (its defer kept the old
-        # spec's next time, which could be a year away). Changes wait for this transaction.
-        self.heartbeat(driver, lock_ms=_FIRE_LOCK_MS, conn=conn)
-        for row in self._fetch("schedule_list", {}, conn):
-            if row[0] == spec.name:
-                spec = ScheduleSpec.decode(bytes(row[1]))
         last_fired = _schedule.decode_state(driver.state)
         now = self.now(conn=conn)
         firing = _schedule.plan_firing(spec, last_fired, now)
@@ -1143,9 +1135,6 @@ class Queue:
         rows = self._fetch("archive_replay", {"ids": ids}, conn)
         return [_archive.replay_result(row) for row in rows]
 
-
-_FIRE_LOCK_MS = 60_000
-"""The lock a firing renews on its driver while it fires (the defer that ends it unlocks)."""
 
 # The operations whose channel bookkeeping reads other sessions' latest commits: at
 # REPEATABLE READ or SERIALIZABLE they would see an older state of the channel rows and could

@@ -1033,14 +1033,6 @@ class AsyncQueue:
     async def _fire_on(
         self, driver: AsyncMessage, spec: ScheduleSpec, conn: AsyncConnection[Any]
     ) -> Firing:
-        # Take the driver's row first (fenced by its attempt count, as the defer is), then
-        # read its spec as it is now: a schedule changed since the driver was taken counts
-        # from its change, not from the spec the driver carried (its defer kept the old
-        # spec's next time, which could be a year away). Changes wait for this transaction.
-        await self.heartbeat(driver, lock_ms=_FIRE_LOCK_MS, conn=conn)
-        for row in await self._fetch("schedule_list", {}, conn):
-            if row[0] == spec.name:
-                spec = ScheduleSpec.decode(bytes(row[1]))
         last_fired = _schedule.decode_state(driver.state)
         now = await self.now(conn=conn)
         firing = _schedule.plan_firing(spec, last_fired, now)
@@ -1160,9 +1152,6 @@ class AsyncQueue:
         rows = await self._fetch("archive_replay", {"ids": ids}, conn)
         return [_archive.replay_result(row) for row in rows]
 
-
-_FIRE_LOCK_MS = 60_000
-"""The lock a firing renews on its driver while it fires (the defer that ends it unlocks)."""
 
 # The operations whose channel bookkeeping reads other sessions' latest commits: at
 # REPEATABLE READ or SERIALIZABLE they would see an older state of the channel rows and could

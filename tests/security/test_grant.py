@@ -253,6 +253,21 @@ def test_a_worker_runs_as_the_worker_role_and_drains_a_channel(
     assert queue.stats() == []
 
 
+def test_a_worker_role_fires_schedules(
+    queue: Queue, make_role: Callable[..., str], connect_as: Any
+) -> None:
+    # A firing may call only what the worker kind is granted (a version that read the
+    # schedule's spec with the admin's schedule_list fired nothing as a worker role).
+    role = _granted(make_role, queue, "worker")
+    queue.schedule("tick", cron="* * * * *", content=b"job", channel="jobs")
+    worker_queue = connect_as("queue")(role, queue.schema)
+    queue.set_clock_offset(120_000)
+    driver = worker_queue.dequeue(lock_ms=60_000)
+    assert driver is not None
+    assert worker_queue.fire_schedule(driver).fire_at is not None
+    assert [(s.channel, s.size) for s in queue.stats() if s.channel == "jobs"] == [("jobs", 1)]
+
+
 @pytest.mark.parametrize("kind", ["producer", "worker", "admin"])
 def test_maintenance_is_the_owners_and_a_granted_role_skips_it_quietly(
     queue: Queue,
