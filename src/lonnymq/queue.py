@@ -117,10 +117,11 @@ _POOLED_SETTINGS = "SET default_transaction_isolation TO 'read committed'"
 """What the queue sets on each pooled connection: its own statements run at READ COMMITTED
 whatever the server's or the role's default (see ``_check_isolation``)."""
 
-_RESTORE_STATEMENT = "RESET ALL; " + _POOLED_SETTINGS
-"""What undoes the settings a caller made on a connection that ``transaction()`` lent: RESET
-takes every setting back to the connection's start (the server's, role's and DSN's values),
-then the pool's own settings again."""
+_RESTORE_STATEMENT = "SET SESSION AUTHORIZATION DEFAULT; RESET ALL; " + _POOLED_SETTINGS
+"""What undoes the settings a caller made on a connection that ``transaction()`` lent: the
+role the connection logged in as (``RESET ALL`` leaves a ``SET ROLE`` in place), every setting
+back to the connection's start (the server's, role's and DSN's values), then the pool's own
+settings again."""
 
 _ISOLATION_STATEMENT = "SHOW transaction_isolation"
 """The level the next statement on a connection runs at: of its transaction when one is open,

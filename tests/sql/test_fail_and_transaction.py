@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,24 @@ def test_what_a_transaction_block_sets_does_not_stay_on_the_pooled_connection(
     assert queue.settings().archive is False
     assert [(s.channel, s.size) for s in queue.stats()] == [("a", 1)]
     assert queue.create(b"y", channel="a").status is CreateStatus.CREATED
+
+
+def test_a_role_set_in_a_transaction_block_does_not_stay_on_the_pooled_connection(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any]
+) -> None:
+    # RESET ALL leaves a SET ROLE in place: the next pooled operation ran as that role.
+    role = f"lmq_r_{uuid.uuid4().hex[:12]}"
+    admin.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+    try:
+        queue = make_queue(pool_size=1)
+        with queue.transaction() as conn:
+            me = conn.execute("SELECT current_user").fetchone()
+            conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(role)))
+        with queue.transaction() as conn:
+            assert conn.execute("SELECT current_user").fetchone() == me
+        assert queue.create(b"y", channel="a").status is CreateStatus.CREATED
+    finally:
+        admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def test_only_a_lent_connection_is_restored(
