@@ -96,6 +96,33 @@ def test_a_stale_driver_holder_fires_nothing(make_queue: Callable[..., Queue]) -
     assert [s.size for s in jobs] == [1]
 
 
+def test_a_schedule_changed_while_it_fires_moves_to_its_new_times(
+    make_queue: Callable[..., Queue],
+) -> None:
+    # The firing worker deferred the driver with the spec it had taken: a yearly schedule
+    # changed to every five minutes during its 1 January firing waited a year.
+    queue = make_queue()
+    real_now = queue.set_clock_offset(0)
+    queue.set_clock_offset(_at("2026-06-01") - real_now)
+    queue.schedule("report", cron="0 0 1 1 *", content=b"run", channel="jobs")
+    queue.set_clock_offset(_at("2027-01-01") + 30_000 - real_now)
+    held = queue.dequeue(lock_ms=30_000)
+    assert held is not None
+    assert held.channel == SCHEDULE_CHANNEL
+    assert queue.schedule("report", cron="*/5 * * * *", content=b"run", channel="jobs") is False
+    # The change counts from its moment (after the 00:00 time): the firing in progress rolls
+    # back, and the schedule waits for 00:05.
+    with pytest.raises(StaleMessageError):
+        queue.fire_schedule(held)
+    assert [s.channel for s in queue.stats() if s.channel == "jobs"] == []
+    [schedule] = queue.schedules()
+    assert (schedule.cron, schedule.next_at) == ("*/5 * * * *", _at("2027-01-01") + 5 * MINUTE)
+    queue.set_clock_offset(_at("2027-01-01") + 5 * MINUTE + 1_000 - real_now)
+    seen: list[bytes] = []
+    _run_workers(queue, 1, seen)
+    assert seen == [b"run"]
+
+
 def test_garbage_in_the_schedule_channel_is_failed_not_looped(
     make_queue: Callable[..., Queue], admin: psycopg.Connection[Any]
 ) -> None:
