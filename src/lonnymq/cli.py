@@ -20,7 +20,9 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, replace
@@ -290,6 +292,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lonnymq`` command."""
     args = _parser().parse_args(argv)
+    _interrupt_on_termination()
     try:
         return _run(args)
     except LonnyMQError as err:
@@ -297,6 +300,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (``lonnymq stats | head``): stop quietly, and let nothing
+        # flush into the closed pipe on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _interrupt_on_termination() -> None:
+    """SIGTERM (``timeout``, ``kill``) stops a command as Ctrl-C does, and it exits normally,
+    so an embedded server it started is stopped too (the signal's default action killed the
+    command and left the server running). SIGHUP (a closed terminal) is handled as SIGTERM,
+    by whichever handler SIGTERM has: a worker replaces it with its graceful stop while it
+    runs. (Not through SIGINT: a command started in the background may have it ignored.)"""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread (tests call main())
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def on_hangup(signum: int, frame: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, on_hangup)
 
 
 def _tty() -> bool:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
+from lonnymq import NewMessage, Queue
 from lonnymq.migrate import latest_version
 
 
@@ -302,3 +306,72 @@ def test_worker_command_runs_a_handler_until_idle(
     )
     assert here.returncode == 0, here.stderr
     assert json.loads(here.stdout.splitlines()[-1])["completed"] == 1
+
+
+def test_output_into_a_closed_pipe_ends_quietly(dsn: str, schema_name: str) -> None:
+    # `lonnymq stats | head -1` ended in a BrokenPipeError traceback.
+    assert _run(dsn, "--schema", schema_name, "install").returncode == 0
+    with Queue(dsn, schema=schema_name) as queue:
+        queue.create_many(NewMessage(b"x", channel=f"channel-{i:05}") for i in range(5_000))
+    env = {**os.environ, "LONNYMQ_DSN": dsn}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lonnymq.cli", "--schema", schema_name, "stats"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline()  # the header, then the reader goes away
+    process.stdout.close()
+    _, stderr = process.communicate(timeout=120)
+    assert b"Traceback" not in stderr, stderr.decode()
+    assert process.returncode == 141
+
+
+@pytest.mark.own_server
+def test_sigterm_stops_a_command_and_the_embedded_server_it_started(tmp_path: Path) -> None:
+    # `timeout 5 lonnymq top` left the embedded server running: the default action of SIGTERM
+    # killed the command before it could stop the server.
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k != "LONNYMQ_DSN"}
+    env["LONNYMQ_DATA_DIR"] = str(data)
+    env["PYTHONUNBUFFERED"] = "1"  # each view as it is printed
+    # Installed, and one message so that each view prints a line.
+    for command in (["install"], ["create", "x", "--channel", "a"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "lonnymq.cli", *command],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=240,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lonnymq.cli", "top", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline()  # a first view: the server is up
+        pid_file = data / "postmaster.pid"
+        server = int(pid_file.read_text().split()[0])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 130
+        deadline = time.monotonic() + 30
+        while _alive(server):
+            assert time.monotonic() < deadline, "the embedded server was left running"
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
