@@ -28,8 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
+import psycopg
+
 from . import _core, migrate
-from .errors import InvalidArgumentError, LonnyMQError
+from .errors import InvalidArgumentError, LonnyMQError, translate
 from .metrics import JsonFormatter, MetricsServer, OperationStats, WorkerMetrics
 from .queue import Queue
 from .queue_async import AsyncQueue
@@ -297,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except LonnyMQError as err:
         print(f"lonnymq: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    except psycopg.Error as err:  # from a command that talks to the server directly (bench)
+        failure = translate(err, schema=getattr(args, "schema", None))
+        print(f"lonnymq: {type(failure).__name__}: {failure}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -375,3 +375,27 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_bench_with_an_unreachable_server_is_a_clean_error() -> None:
+    # bench talks to the server directly: a bad DSN ended in psycopg's traceback.
+    env = {k: v for k, v in os.environ.items() if k != "LONNYMQ_DSN"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lonnymq.cli",
+            "bench",
+            "--quick",
+            "--dsn",
+            "postgresql://postgres@127.0.0.1:1/postgres",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("lonnymq: DatabaseUnavailableError: connection failed")
