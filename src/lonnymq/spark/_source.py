@@ -203,6 +203,12 @@ class BatchSlice(InputPartition):
     slices: int
 
 
+def _offset_owner(offset: dict[str, Any]) -> str | None:
+    """The owner token an offset names (None in offsets from before migration 0032)."""
+    owner = offset.get("owner")
+    return None if owner is None else str(owner)
+
+
 class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Offsets are ``{"batch": N, "owner": T}``: the consumer's planned-batch counter, and the
     token of the checkpoint they belong to. ``initialOffset`` must be pure (Spark calls it
@@ -237,9 +243,9 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _owner(self, start: dict[str, Any]) -> tuple[str | None, bool]:
         """The checkpoint's owner token for a plan after ``start``, and whether that plan takes
         the consumer over (the first plan of a new checkpoint)."""
-        owner = start.get("owner")
+        owner = _offset_owner(start)
         if owner is not None:
-            return str(owner), False
+            return owner, False
         if int(start["batch"]) != 0:
             return None, False  # a checkpoint from before owners
         if self._token is None:
@@ -314,8 +320,7 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return []
         # Before any task reads the batches: are they this checkpoint's? (A replay of a first
         # batch starts from initialOffset, which names no owner; its end does.)
-        owner = end.get("owner")
-        consumer.claim_read(None if owner is None else str(owner), after, upto)
+        consumer.claim_read(_offset_owner(end), after, upto)
         slices = self._opts.partitions
         return [BatchSlice(after, upto, index, slices) for index in range(slices)]
 
@@ -326,8 +331,7 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         )
 
     def commit(self, end: dict[str, Any]) -> None:
-        owner = end.get("owner")
-        self._consumer().ack(int(end["batch"]), None if owner is None else str(owner))
+        self._consumer().ack(int(end["batch"]), _offset_owner(end))
 
     def stop(self) -> None:
         if self._runner is not None:
