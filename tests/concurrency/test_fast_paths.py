@@ -305,6 +305,62 @@ def test_a_batch_dequeue_locks_only_the_heads_it_takes(dsn: str, queue: Queue) -
     assert queue.verify() == []
 
 
+def _hold_channel_rows(session: Conn, schema: str, *names: str) -> None:
+    """Lock the rows of channels ``names`` in ``session``, as a dequeue serving them does."""
+    session.execute(
+        _q(schema, "SELECT FROM {}.channel WHERE name = ANY (%s) FOR UPDATE"), [list(names)]
+    )
+
+
+def test_a_batch_rides_along_on_busy_channels_in_turn(dsn: str, queue: Queue) -> None:
+    """Every due channel's row is held by another session: a batch takes their heads round
+    robin (a1, b1, c1, a2, ...), as it does from channels whose rows it locks. Before 0036 it
+    took all it could from the first busy channel, then one channel after another."""
+    now = queue.now()
+    # "a" first in turn, then "b", then "c".
+    offsets = {"a": 3_000, "b": 2_000, "c": 1_000}
+    queue.create_many(
+        [
+            NewMessage(f"{c}{i}".encode(), channel=c, dequeue_at=now - offsets[c])
+            for c in "abc"
+            for i in range(1, 4)
+        ]
+    )
+    with _session(dsn) as holder:
+        _hold_channel_rows(holder, queue.schema, "a", "b", "c")
+        taken = queue.dequeue_many(5, lock_ms=LOCK_MS)
+        assert [m.content for m in taken] == [b"a1", b"b1", b"c1", b"a2", b"b2"]
+        rest = queue.dequeue_many(10, lock_ms=LOCK_MS)
+        assert sorted(m.content for m in rest) == [b"a3", b"b3", b"c2", b"c3"]
+        holder.rollback()
+    assert queue.verify() == []
+
+
+def test_a_batch_riding_along_leaves_channels_with_a_policy_to_their_rows(
+    dsn: str, queue: Queue
+) -> None:
+    """Busy channels, one with a policy and one whose policy is being changed (its advisory
+    lock held exclusively): a batch rides along on the other two and takes nothing from
+    those, whose counters stay exact."""
+    queue.channel("p").set_policy(max_concurrency=5)
+    for name in ("p", "q", "f", "g"):
+        for i in range(1, 3):
+            queue.create(f"{name}{i}".encode(), channel=name)
+    with _session(dsn) as holder:
+        _hold_channel_rows(holder, queue.schema, "p", "q", "f", "g")
+        holder.execute(_q(queue.schema, "SELECT pg_advisory_xact_lock({}.channel_key('q'))"))
+        taken = queue.dequeue_many(10, lock_ms=LOCK_MS)
+        assert sorted(m.content for m in taken) == [b"f1", b"f2", b"g1", b"g2"]
+        holder.rollback()
+    assert queue.verify() == []
+    left = queue.dequeue_many(10, lock_ms=LOCK_MS)
+    assert sorted(m.content for m in left) == [b"p1", b"p2", b"q1", b"q2"]
+    stats = queue.channel("p").stats()
+    assert stats is not None
+    assert stats.in_flight == 2
+    assert queue.verify() == []
+
+
 @pytest.mark.parametrize("batch", [False, True], ids=["create", "create_many"])
 def test_create_leaves_a_due_channel_row_held_by_a_dequeue_alone(
     dsn: str, queue: Queue, admin: Conn, batch: bool
