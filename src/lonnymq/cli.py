@@ -20,6 +20,7 @@ import importlib
 import json
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -135,7 +136,12 @@ def _parser() -> argparse.ArgumentParser:
     create = commands.add_parser(
         "create", help="create messages: one per argument, or one per line of standard input"
     )
-    create.add_argument("contents", nargs="*", help="message contents (UTF-8); none: stdin")
+    create.add_argument(
+        "contents",
+        nargs="*",
+        help="message contents (UTF-8); none: one per line of stdin, created as lines arrive, "
+        "up to 1,000 per transaction",
+    )
     _option(create, "channel", "channel to create in")
     _option(create, "dequeue-at", "not before this time (ms since the epoch)", type=int)
     _option(create, "delay-ms", "not before now + this many ms", type=int)
@@ -354,21 +360,28 @@ def _table(headers: list[str], rows: list[list[str]]) -> None:
 
 
 class _Progress:
-    """A progress bar on stderr when it is a terminal; silent otherwise."""
+    """A progress bar on stderr when it is a terminal; silent otherwise. ``total`` 0: no bar;
+    ``None``: a total not known in advance (the bar counts what was done)."""
 
-    def __init__(self, description: str, total: int) -> None:
+    def __init__(self, description: str, total: int | None) -> None:
         self._bar: Any = None
-        if sys.stderr.isatty() and total > 0:
+        self._description = description
+        self._done = 0
+        if sys.stderr.isatty() and total != 0:
             from rich.console import Console
             from rich.progress import Progress
 
             self._bar = Progress(console=Console(stderr=True), transient=True)
             self._bar.start()
             self._task = self._bar.add_task(description, total=total)
+            self._counting = total is None
 
     def advance(self, n: int) -> None:
+        self._done += n
         if self._bar is not None:
             self._bar.advance(self._task, n)
+            if self._counting:
+                self._bar.update(self._task, description=f"{self._description} {self._done:,}")
 
     def close(self) -> None:
         if self._bar is not None:
@@ -492,39 +505,111 @@ def _utf8(text: str, what: str) -> bytes:
         raise InvalidArgumentError(f"{what} must be valid UTF-8 text: {err.reason}") from err
 
 
-def _contents(args: argparse.Namespace) -> Iterator[bytes]:
-    if args.contents:
-        yield from (_utf8(c, "message content") for c in args.contents)
-        return
-    try:
-        for line in sys.stdin:
-            text = line.rstrip("\r\n")
-            if text:
-                yield _utf8(text, "message content")
-    except UnicodeDecodeError as err:
-        raise InvalidArgumentError(f"standard input must be UTF-8 text: {err.reason}") from err
+# Lines of standard input per create_many call (one transaction each), and how long a partial
+# batch waits for more lines before it is sent: a producer writing lines slowly gets each one
+# created within about that long, instead of at end of input.
+CREATE_BATCH = 1000
+CREATE_IDLE_S = 0.2
+
+
+def _stdin_batches() -> Iterator[list[bytes]]:
+    """Standard input's non-empty lines (line ends taken off), in batches of up to
+    ``CREATE_BATCH``; a batch is also yielded once no line has come for ``CREATE_IDLE_S``.
+    A line that is not UTF-8 raises ``InvalidArgumentError`` naming its number."""
+    source: Any = getattr(sys.stdin, "buffer", sys.stdin)
+    lines: queue.Queue[tuple[int, bytes | str] | BaseException | None] = queue.Queue(
+        maxsize=4 * CREATE_BATCH
+    )
+
+    def read() -> None:
+        try:
+            for item in enumerate(source, 1):
+                lines.put(item)
+        except BaseException as err:  # handed to the main thread, which raises it
+            lines.put(err)
+            return
+        lines.put(None)
+
+    threading.Thread(target=read, name="lonnymq-stdin", daemon=True).start()
+    batch: list[bytes] = []
+    while True:
+        try:
+            item = lines.get(timeout=CREATE_IDLE_S if batch else None)
+        except queue.Empty:
+            yield batch
+            batch = []
+            continue
+        if item is None:
+            break
+        if isinstance(item, BaseException):
+            raise item
+        number, line = item
+        raw = line if isinstance(line, bytes) else _utf8(line, f"line {number} of standard input")
+        text = raw.rstrip(b"\r\n")
+        if not text:
+            continue
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InvalidArgumentError(
+                f"line {number} of standard input is not UTF-8 text: {err.reason}"
+            ) from err
+        batch.append(text)
+        if len(batch) == CREATE_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def _create(q: Queue, args: argparse.Namespace) -> int:
     if args.dequeue_at is not None and args.delay_ms is not None:
         raise InvalidArgumentError("give --dequeue-at or --delay-ms, not both")
     at = args.dequeue_at if args.delay_ms is None else q.now() + args.delay_ms
-    contents = list(_contents(args))
-    if args.dedup_key is not None and len(contents) != 1:
-        raise InvalidArgumentError("--dedup-key applies to exactly one message")
+    batches: Iterator[list[bytes]]
+    total = 0
+    if args.contents or args.dedup_key is not None:
+        # All known before anything is created: from the arguments, or (with a dedup key,
+        # which applies to exactly one message) all of standard input.
+        if args.contents:
+            contents = [_utf8(c, "message content") for c in args.contents]
+        else:
+            contents = [c for batch in _stdin_batches() for c in batch]
+        if args.dedup_key is not None and len(contents) != 1:
+            raise InvalidArgumentError("--dedup-key applies to exactly one message")
+        total = len(contents)
+        batches = (contents[i : i + CREATE_BATCH] for i in range(0, len(contents), CREATE_BATCH))
+    else:
+        batches = _stdin_batches()
     counts: dict[str, int] = {}
-    progress = _Progress("creating", len(contents) if len(contents) > 1000 else 0)
-    for start in range(0, len(contents), 1000):
-        chunk = [
-            NewMessage(c, channel=args.channel, dequeue_at=at, dedup_key=args.dedup_key)
-            for c in contents[start : start + 1000]
-        ]
-        for result in q.create_many(chunk):
-            counts[result.status] = counts.get(result.status, 0) + 1
-            if args.json:
-                print(json.dumps(asdict(result)))
-        progress.advance(len(chunk))
-    progress.close()
+    sent = 0
+    if total:
+        progress = _Progress("creating", total if total > CREATE_BATCH else 0)
+    else:  # streaming standard input: count, unless a person is typing the lines
+        progress = _Progress("creating", 0 if sys.stdin.isatty() else None)
+    try:
+        for batch in batches:
+            results = q.create_many(
+                NewMessage(c, channel=args.channel, dequeue_at=at, dedup_key=args.dedup_key)
+                for c in batch
+            )
+            sent += len(batch)
+            for result in results:
+                counts[result.status] = counts.get(result.status, 0) + 1
+                if args.json:
+                    print(json.dumps(asdict(result)))
+            progress.advance(len(batch))
+    except BaseException:
+        if sent:
+            # Each batch is its own transaction: say where a rerun should start.
+            print(
+                f"lonnymq: stopped after the first {sent:,} messages, which were committed; "
+                "none after them was",
+                file=sys.stderr,
+            )
+        raise
+    finally:
+        progress.close()
     if not args.json:
         print(", ".join(f"{n} {status}" for status, n in counts.items()) or "nothing to create")
     return 0

@@ -217,6 +217,77 @@ def test_create_from_stdin_takes_windows_line_ends_off(dsn: str, schema_name: st
     assert [bytes(r[0]) for r in rows] == [b"one", b"two"]
 
 
+def _contents(dsn: str, schema: str) -> list[bytes]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(f'SELECT content FROM "{schema}".message ORDER BY id').fetchall()
+    return [bytes(r[0]) for r in rows]
+
+
+def test_create_from_stdin_creates_lines_as_they_come(dsn: str, schema_name: str) -> None:
+    """A producer that writes a line and keeps its output open gets that line created at once,
+    not at the end of its input."""
+    assert _run_in(dsn, schema_name, "install").returncode == 0
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lonnymq.cli", "--schema", schema_name, "create", "--channel", "s"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "LONNYMQ_DSN": dsn},
+    )
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(b"first\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 60
+        while _contents(dsn, schema_name) != [b"first"]:
+            assert time.monotonic() < deadline, "the first line was not created before EOF"
+            assert proc.poll() is None
+            time.sleep(0.05)
+        out, err = proc.communicate(b"second\n", timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert out.decode().strip() == "2 created"
+    assert _contents(dsn, schema_name) == [b"first", b"second"]
+
+
+def test_create_from_stdin_says_how_many_were_created_before_a_bad_line(
+    dsn: str, schema_name: str
+) -> None:
+    """A line that is not UTF-8 stops the command: the lines before it that were sent stay
+    created (each batch is a transaction), and stderr says how many, and which line was bad."""
+    assert _run_in(dsn, schema_name, "install").returncode == 0
+    good = b"".join(b"m%d\n" % i for i in range(1500))
+    result = subprocess.run(
+        [sys.executable, "-m", "lonnymq.cli", "--schema", schema_name, "create", "--channel", "b"],
+        input=good + b"bad \xff line\nafter\n",
+        capture_output=True,
+        env={**os.environ, "LONNYMQ_DSN": dsn},
+        timeout=120,
+        check=False,
+    )
+    stderr = result.stderr.decode()
+    assert result.returncode == 1, stderr
+    assert "line 1501 of standard input is not UTF-8" in stderr
+    created = _contents(dsn, schema_name)
+    assert 0 < len(created) <= 1500
+    assert created == [b"m%d" % i for i in range(len(created))]
+    assert f"stopped after the first {len(created):,} messages" in stderr
+    # A bad first line creates nothing and says nothing about what was created.
+    first = subprocess.run(
+        [sys.executable, "-m", "lonnymq.cli", "--schema", schema_name, "create", "--channel", "z"],
+        input=b"\xfe\nok\n",
+        capture_output=True,
+        env={**os.environ, "LONNYMQ_DSN": dsn},
+        timeout=120,
+        check=False,
+    )
+    assert first.returncode == 1
+    assert "line 1 of standard input is not UTF-8" in first.stderr.decode()
+    assert "stopped after" not in first.stderr.decode()
+    assert len(_contents(dsn, schema_name)) == len(created)
+
+
 def test_migrate_print_refuses_a_bad_schema_name(dsn: str) -> None:
     for bad in ("", "1bad", "pg_evil", 'a"b'):
         result = _run(dsn, "--schema", bad, "migrate", "--print")
