@@ -327,9 +327,40 @@ WORKER_SCRIPT = textwrap.dedent(
 )
 
 
-def _spawn_worker(dsn: str, schema: str, nap: float, grace: float) -> subprocess.Popen[str]:
+# The same with the AsyncWorker and a plain (non-async) handler, which it runs in a thread.
+ASYNC_WORKER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys, threading, time
+    from lonnymq import AsyncQueue
+    from lonnymq.worker import AsyncWorker
+
+    dsn, schema, nap = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    lock = threading.Lock()
+
+    def handler(message):
+        with lock:
+            sys.stdout.write(f"start {message.id}\\n")
+            sys.stdout.flush()
+        time.sleep(nap)
+
+    async def main():
+        async with AsyncQueue(dsn, schema=schema) as queue:
+            worker = AsyncWorker(
+                queue, handler, concurrency=2, lock_ms=2_000, grace_s=float(sys.argv[4])
+            )
+            await worker.run()
+
+    asyncio.run(main())
+    print("stopped", flush=True)
+    """
+)
+
+
+def _spawn_worker(
+    dsn: str, schema: str, nap: float, grace: float, script: str = WORKER_SCRIPT
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", WORKER_SCRIPT, dsn, schema, str(nap), str(grace)],
+        [sys.executable, "-c", script, dsn, schema, str(nap), str(grace)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -365,15 +396,26 @@ def test_sigterm_finishes_running_work_and_leaves_no_lock(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("script", [WORKER_SCRIPT, ASYNC_WORKER_SCRIPT], ids=["sync", "async"])
 def test_sigterm_gives_back_what_outlives_the_grace_period(
-    dsn: str, make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+    dsn: str,
+    make_queue: Callable[..., Queue],
+    admin: psycopg.Connection[Any],
+    schema_name: str,
+    script: str,
 ) -> None:
+    """The handlers outlive the grace period: their messages are given back and the process
+    exits without waiting for them (were it to wait, their work would run twice: here and
+    wherever the given-back messages go next)."""
     queue = make_queue(archive=True)
     queue.create_many([NewMessage(f"m{i}".encode()) for i in range(4)])
-    proc = _spawn_worker(dsn, schema_name, nap=30.0, grace=0.2)
-    _wait_for_starts(proc, 2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    proc = _spawn_worker(dsn, schema_name, nap=300.0, grace=0.2, script=script)
+    try:
+        _wait_for_starts(proc, 2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
     assert proc.returncode == 0, err
     assert _locked(admin, schema_name) == 0
     assert _archive(admin, schema_name) == []

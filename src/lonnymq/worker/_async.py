@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,8 +64,8 @@ def _fields(message: AsyncMessage) -> dict[str, object]:
 
 class AsyncWorker:
     """Runs ``handler(message)`` for the messages of an :class:`~lonnymq.AsyncQueue`: a
-    coroutine function as a task, a plain function in a thread (of ``concurrency`` that the
-    worker owns). Same options and behaviour as :class:`~lonnymq.worker.Worker`;
+    coroutine function as a task, a plain function in a daemon thread (at most
+    ``concurrency`` run at once). Same options and behaviour as :class:`~lonnymq.worker.Worker`;
     ``await worker.run()``."""
 
     def __init__(
@@ -115,7 +114,6 @@ class AsyncWorker:
         # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
         # reporting when its message is taken again, as a second run of the same id.
         self._running: dict[_Run, None] = {}
-        self._executor: ThreadPoolExecutor | None = None
         self._rng = random.Random()
         self._clock_offset_ms = 0
 
@@ -144,11 +142,6 @@ class AsyncWorker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
                 signals.append(sig)
-        # Plain-function handlers get a thread each, up to concurrency (the default executor
-        # has at most min(32, CPUs + 4)).
-        self._executor = ThreadPoolExecutor(
-            max_workers=self.options.concurrency, thread_name_prefix="lonnymq-handler"
-        )
         helpers = [asyncio.create_task(self._heartbeats())]
         if self.options.maintenance_ms is not None:
             helpers.append(asyncio.create_task(self._maintain(self.options.maintenance_ms)))
@@ -166,8 +159,6 @@ class AsyncWorker:
                     await helper
             for sig in signals:
                 loop.remove_signal_handler(sig)
-            # A handler that outlived the grace period keeps its thread; nobody waits for it.
-            self._executor.shutdown(wait=False, cancel_futures=True)
         return self.stats
 
     # -- the dequeue loop ----------------------------------------------------------------
@@ -229,9 +220,8 @@ class AsyncWorker:
         if inspect.iscoroutinefunction(self.handler):
             await self.handler(message)
             return
-        assert self._executor is not None
         call = functools.partial(contextvars.copy_context().run, self.handler, message)
-        result = await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        result = await _in_daemon_thread(call)
         if inspect.isawaitable(result):
             await result
 
@@ -519,3 +509,34 @@ class AsyncWorker:
             log.warning("message %s given back: %s", message.id, why, extra=_fields(message))
         except LonnyMQError as err:
             log.error("message %s could not be given back (%s)", message.id, err)
+
+
+def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:
+    """Run ``call`` in a thread of its own and return a future of its result. A daemon thread,
+    unlike an executor's (which the interpreter joins at exit): a handler that outlives the
+    grace period, its message already given back, must not keep the process alive, or its
+    work would run twice."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def target() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = call()
+        except BaseException as err:  # handed to the awaiting task, as an executor would
+            error = err
+        # The loop may be closed by now (the worker stopped without it).
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, daemon=True, name="lonnymq-handler").start()
+    return future
