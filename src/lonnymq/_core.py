@@ -4,13 +4,16 @@ statements, and turning rows into results."""
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterable, Sequence
 from functools import cache
 from importlib import resources
 from typing import Any
 
+import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from .errors import (
     InvalidArgumentError,
@@ -250,6 +253,26 @@ def priority_to_dequeue_at(priority: object, dequeue_at: object) -> object:
             f"priority must be an int between 0 (first) and 1000000, got {priority!r}"
         )
     return priority
+
+
+# Seconds a new connection may take before it fails, unless the connection string (or
+# PGCONNECT_TIMEOUT) says otherwise: libpq waits for ever by default, so a server that accepts
+# the connection and never answers would hang the caller.
+DEFAULT_CONNECT_TIMEOUT_S = 10
+
+
+def with_connect_timeout(dsn: str) -> str:
+    """``dsn`` with ``connect_timeout=DEFAULT_CONNECT_TIMEOUT_S`` when neither it nor the
+    environment sets a connect timeout. A string that does not parse is returned as it is:
+    the first connection says what is wrong with it."""
+    if os.environ.get("PGCONNECT_TIMEOUT"):
+        return dsn
+    try:
+        if "connect_timeout" in conninfo_to_dict(dsn):
+            return dsn
+        return make_conninfo(dsn, connect_timeout=DEFAULT_CONNECT_TIMEOUT_S)
+    except psycopg.ProgrammingError:
+        return dsn
 
 
 def check_pool_timeout(value: object) -> float:

@@ -270,7 +270,7 @@ class Queue:
         self._event_channel = _core.check_event_channel(event_channel)
         if not isinstance(pool_size, int) or pool_size < 1:
             raise InvalidArgumentError(f"pool_size must be a positive int, got {pool_size!r}")
-        self._dsn = dsn
+        self._dsn = None if dsn is None else _core.with_connect_timeout(dsn)
         # Set by embedded(): the data directory whose server to start at first use.
         self._data_dir: Path | None = None
         self._pool_size = pool_size
@@ -316,11 +316,12 @@ class Queue:
 
     @property
     def dsn(self) -> str:
-        """The connection string in use. With none given it is resolved when first needed:
-        read before the first call, it starts the embedded server (if that is where it points)
-        in this thread, blocking it while the server starts."""
+        """The connection string in use: the one given, with a ``connect_timeout`` of 10 s
+        added when it (or ``PGCONNECT_TIMEOUT``) sets none. With none given it is resolved when
+        first needed: read before the first call, it starts the embedded server (if that is
+        where it points) in this thread, blocking it while the server starts."""
         if self._dsn is None:
-            self._dsn = self._resolve_dsn()
+            self._dsn = _core.with_connect_timeout(self._resolve_dsn())
         return self._dsn
 
     def _resolve_dsn(self) -> str:
@@ -360,7 +361,8 @@ class Queue:
             if self._pool is None:
                 if self._dsn is None:
                     # Starting the embedded server takes seconds: off the event loop, if any.
-                    self._dsn = self._resolve_dsn()
+                    resolved = self._resolve_dsn()
+                    self._dsn = _core.with_connect_timeout(resolved)
                 self._probe()
                 pool = ConnectionPool(
                     self.dsn,
@@ -401,6 +403,18 @@ class Queue:
             raise InvalidArgumentError(f"not a valid connection string: {err}") from err
         try:
             probe = Connection.connect(self.dsn, autocommit=True)
+        except psycopg.errors.ConnectionTimeout as err:
+            timeout = conninfo_to_dict(self.dsn).get("connect_timeout") or os.environ.get(
+                "PGCONNECT_TIMEOUT"
+            )
+            raise translate(
+                psycopg.OperationalError(
+                    f"cannot connect to PostgreSQL: no answer within connect_timeout "
+                    f"({timeout} s); check the host and port, or set connect_timeout in the "
+                    "connection string to wait longer"
+                ),
+                schema=self._schema,
+            ) from err
         except psycopg.Error as err:
             raise translate(err, schema=self._schema) from err
         probe.close()

@@ -8,7 +8,10 @@ looking at the SQLSTATE (LQ001..LQ006).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from lonnymq import AsyncQueue, CreateStatus, Message, NewMessage, Queue
 from lonnymq.errors import (
@@ -745,3 +748,72 @@ def test_a_connection_that_cannot_work_fails_at_once_with_its_cause(
         with pytest.raises(error, match=words):
             stats(target)
         assert time.monotonic() - started < 10
+
+
+@contextlib.contextmanager
+def _silent_server() -> Iterator[int]:
+    """A port that accepts connections and never answers: a hung server, as libpq sees it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+def test_connect_timeout_is_added_unless_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    assert conninfo_to_dict(Queue("host=h dbname=d").dsn)["connect_timeout"] == "10"
+    assert conninfo_to_dict(Queue("postgresql://u@h:5/d").dsn) == {
+        "user": "u",
+        "host": "h",
+        "port": "5",
+        "dbname": "d",
+        "connect_timeout": "10",
+    }
+    assert Queue("host=h connect_timeout=3").dsn == "host=h connect_timeout=3"
+    assert Queue("not a dsn").dsn == "not a dsn"  # refused at first use, with its cause
+    monkeypatch.setenv("PGCONNECT_TIMEOUT", "4")
+    assert Queue("host=h dbname=d").dsn == "host=h dbname=d"
+
+
+@pytest.mark.parametrize("queue_class", [Queue, AsyncQueue])
+def test_a_server_that_never_answers_fails_after_the_connect_timeout(
+    queue_class: type[Queue] | type[AsyncQueue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a connect timeout libpq waits for ever: the call hung until killed."""
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+
+    def stats(target: str) -> None:
+        if queue_class is Queue:
+            with Queue(target) as queue:
+                queue.stats()
+            return
+
+        async def call() -> None:
+            async with AsyncQueue(target) as queue:
+                await queue.stats()
+
+        asyncio.run(call())
+
+    with _silent_server() as port:
+        started = time.monotonic()
+        with pytest.raises(DatabaseUnavailableError, match=r"no answer within connect_timeout"):
+            stats(f"host=127.0.0.1 port={port} dbname=x user=x")
+        assert time.monotonic() - started < 60
