@@ -76,6 +76,17 @@ def _version(text: str) -> int:
     return version
 
 
+# What the archive records a message's end as (the outcomes a worker or the API writes).
+OUTCOMES = ("completed", "failed")
+
+
+def _outcome(text: str) -> str:
+    """An archive outcome for ``archive list --outcome``: a typo would find nothing."""
+    if text not in OUTCOMES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(OUTCOMES)}: {text!r}")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lonnymq", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -152,7 +163,12 @@ def _parser() -> argparse.ArgumentParser:
     policy_commands = policy.add_subparsers(
         dest="policy_command", required=True, parser_class=_Command
     )
-    policy_set = policy_commands.add_parser("set", help="set a channel's policy")
+    policy_set = policy_commands.add_parser(
+        "set",
+        help="set a channel's policy, whole: a limit not given is removed",
+        description="Set a channel's policy. It replaces the whole policy: a limit not given "
+        "here is removed (give every limit the channel should keep).",
+    )
     policy_set.add_argument("channel")
     _option(policy_set, "max-concurrency", "messages locked at once (0 pauses)", type=int)
     _option(policy_set, "release-interval-ms", "minimum gap between two dequeues", type=int)
@@ -233,7 +249,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="archive_command", required=True, parser_class=_Command
     )
     archive_list = archive_commands.add_parser("list", help="archived messages, newest first")
-    _option(archive_list, "outcome", "only this outcome (completed, failed)")
+    _option(archive_list, "outcome", "only this outcome (completed, failed)", type=_outcome)
     _option(archive_list, "channel", "only this channel")
     _option(archive_list, "limit", "at most this many", type=int, default=20)
     archive_list.add_argument("--json", action="store_true", help="print JSON lines")

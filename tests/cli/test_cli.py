@@ -114,6 +114,24 @@ def test_a_malformed_environment_value_is_a_usage_error(dsn: str, schema_name: s
     assert given.returncode == 0, given.stderr
 
 
+def test_archive_list_refuses_an_unknown_outcome(dsn: str, schema_name: str) -> None:
+    """A typo (here or in LONNYMQ_OUTCOME) found nothing, silently: it is a usage error."""
+    assert _run(dsn, "--schema", schema_name, "install", "--archive").returncode == 0
+    typo = _run(dsn, "--schema", schema_name, "archive", "list", "--outcome", "faild")
+    assert typo.returncode == 2
+    assert "must be one of completed, failed: 'faild'" in typo.stderr
+    command = [sys.executable, "-m", "lonnymq.cli", "--schema", schema_name, "archive", "list"]
+    env = {**os.environ, "LONNYMQ_DSN": dsn, "LONNYMQ_OUTCOME": "Failed"}
+    by_env = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    assert by_env.returncode == 2
+    assert "argument --outcome" in by_env.stderr
+    for outcome in ("completed", "failed"):
+        assert (
+            _run(dsn, "--schema", schema_name, "archive", "list", "--outcome", outcome).returncode
+            == 0
+        )
+
+
 def test_bad_schema_name_is_a_clean_error(dsn: str) -> None:
     result = _run(dsn, "--schema", 'x"; DROP TABLE y; --', "stats")
     assert result.returncode == 1
