@@ -176,7 +176,8 @@ def translate(err: psycopg.Error, *, schema: str | None = None) -> LonnyMQError:
     if sqlstate in _NOT_INSTALLED:
         where = f"schema {schema!r}" if schema is not None else "this schema"
         return SchemaNotInstalledError(
-            f"lonnymq is not installed in {where} ({message}); call install() first"
+            f"lonnymq is not installed in {where} ({message}); call install() first "
+            "(or run `lonnymq install`)"
         )
     if sqlstate == _PERMISSION_DENIED:
         return PermissionDeniedError(
