@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import re
 from collections.abc import Iterable, Sequence
 from functools import cache
@@ -273,6 +274,13 @@ def with_connect_timeout(dsn: str) -> str:
         return make_conninfo(dsn, connect_timeout=DEFAULT_CONNECT_TIMEOUT_S)
     except psycopg.ProgrammingError:
         return dsn
+
+
+def conflict_backoff_s(attempt: int) -> float:
+    """Seconds to wait before running again an operation rolled back for a concurrent
+    transaction, after ``attempt`` (0, 1, ...) earlier runs: growing, and jittered so that two
+    victims of one conflict do not meet again."""
+    return 0.01 * 2.0**attempt * random.uniform(0.5, 1.5)
 
 
 def check_pool_timeout(value: object) -> float:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from time import monotonic, perf_counter
+from time import monotonic, perf_counter, sleep
 from types import TracebackType
 from typing import Any, Self
 
@@ -65,6 +65,9 @@ RECONNECT_GIVE_UP_S = 5.0
 """Seconds the pool retries one lost connection (1 s backoff, doubling) before giving up."""
 
 DEFAULT_POOL_TIMEOUT_S = 30.0
+# How many times a pooled operation that PostgreSQL rolled back for a concurrent transaction
+# (a deadlock, a serialization failure) is run again before TransactionConflictError.
+CONFLICT_RETRIES = 3
 """Seconds a call waits for a connection (the server down, or every pooled connection busy)
 before it raises ``DatabaseUnavailableError``; ``pool_timeout`` of a queue changes it."""
 
@@ -450,9 +453,19 @@ class Queue:
                     rows = cursor.fetchall() if cursor.description is not None else []
             else:
                 pool = self._get_pool()
-                with pool.connection() as pooled, _cursor(pooled) as cursor:
-                    cursor.execute(statement, params, binary=True)
-                    rows = cursor.fetchall() if cursor.description is not None else []
+                for attempt in range(CONFLICT_RETRIES + 1):
+                    try:
+                        with pool.connection() as pooled, _cursor(pooled) as cursor:
+                            cursor.execute(statement, params, binary=True)
+                            rows = cursor.fetchall() if cursor.description is not None else []
+                        break
+                    except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                        # The statement was its own transaction and was rolled back whole:
+                        # nothing it did was kept, so it runs again (a deadlock between
+                        # concurrent creates, finishes and a policy change, say).
+                        if attempt == CONFLICT_RETRIES:
+                            raise
+                        sleep(_core.conflict_backoff_s(attempt))
             ok = True
             return rows
         except psycopg.Error as err:

@@ -11,12 +11,14 @@ exclusive one, and two of them wait for each other.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from lonnymq import Queue, TransactionConflictError
 
@@ -85,4 +87,48 @@ def test_create_before_policy_on_one_channel_deadlocks(
         assert sorted([mine, *out]) == ["committed", "conflict 40P01"]
     [stats] = queue.stats()
     assert stats.size == 2
+    assert queue.verify() == []
+
+
+def _wait_for_a_waiting_policy_set(admin: psycopg.Connection[Any]) -> None:
+    deadline = time.monotonic() + 30
+    while not admin.execute(
+        "SELECT FROM pg_stat_activity WHERE state = 'active' AND wait_event_type = 'Lock'"
+        " AND query LIKE '%%channel_policy_set%%'"
+    ).fetchall():
+        assert time.monotonic() < deadline, "no set_policy waited for a lock"
+        time.sleep(0.01)
+
+
+def test_a_pooled_operation_rolled_back_by_a_deadlock_runs_again(
+    dsn: str, queue: Queue, admin: psycopg.Connection[Any]
+) -> None:
+    """A pooled set_policy (its own transaction) meets a transaction that holds the channel's
+    row and then asks for the channel's lock: PostgreSQL rolls back the one that waited first,
+    the set_policy. Nothing of it was kept, so the queue runs it again (it raised
+    TransactionConflictError before), and it completes once the other transaction ends."""
+    queue.create(b"m", channel="a")
+    with psycopg.connect(dsn) as holder:
+        holder.execute(
+            sql.SQL("SELECT FROM {}.channel WHERE name = 'a' FOR UPDATE").format(
+                sql.Identifier(queue.schema)
+            )
+        )
+        thread, out = in_thread(lambda: queue.channel("a").set_policy(max_size=7))
+        _wait_for_a_waiting_policy_set(admin)
+        time.sleep(0.2)  # it waits first, so its deadlock check runs first
+        holder.execute(
+            sql.SQL("SELECT pg_advisory_xact_lock_shared({}.channel_key('a'))").format(
+                sql.Identifier(queue.schema)
+            )
+        )
+        # The set_policy was rolled back and runs again, now waiting behind the holder.
+        _wait_for_a_waiting_policy_set(admin)
+        assert thread.is_alive()
+        holder.commit()
+        thread.join(timeout=60)
+    assert out == [None]
+    stats = queue.channel("a").stats()
+    assert stats is not None
+    assert (stats.size, stats.policy.max_size) == (1, 7)
     assert queue.verify() == []
