@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
@@ -32,7 +33,7 @@ from typing import Any
 import psycopg
 
 from . import _core, migrate
-from .errors import InvalidArgumentError, LonnyMQError, translate
+from .errors import DatabaseUnavailableError, InvalidArgumentError, LonnyMQError, translate
 from .metrics import JsonFormatter, MetricsServer, OperationStats, WorkerMetrics
 from .queue import Queue
 from .queue_async import AsyncQueue
@@ -523,36 +524,62 @@ def _utf8(text: str, what: str) -> bytes:
         raise InvalidArgumentError(f"{what} must be valid UTF-8 text: {err.reason}") from err
 
 
-# Lines of standard input per create_many call (one transaction each), and how long a partial
-# batch waits for more lines before it is sent: a producer writing lines slowly gets each one
-# created within about that long, instead of at end of input.
+# Lines of standard input per create_many call (one transaction each), and how long the first
+# line of a batch waits for others: a producer writing lines slowly gets each one created
+# within about that long, instead of at end of input.
 CREATE_BATCH = 1000
 CREATE_IDLE_S = 0.2
 
 
+def _read_stdin(lines: queue.Queue[tuple[int, bytes] | BaseException | None]) -> None:
+    """Put standard input's lines (numbered from 1, line end kept) on ``lines``, then None.
+
+    Runs in a daemon thread that may still be reading when the command ends: it reads its own
+    duplicate of the file descriptor with ``os.read``, never through ``sys.stdin``, whose
+    buffer lock a thread blocked in it would hold while the interpreter shuts down (a fatal
+    error). Without a file descriptor (``sys.stdin`` replaced by a test), it reads
+    ``sys.stdin`` itself."""
+    number = 0
+    try:
+        try:
+            fd = os.dup(sys.stdin.fileno())
+        except (AttributeError, OSError, ValueError):
+            for text in sys.stdin if sys.stdin is not None else ():
+                number += 1
+                lines.put((number, _utf8(text, f"line {number} of standard input")))
+            lines.put(None)
+            return
+        pending = b""
+        with os.fdopen(fd, "rb", buffering=0) as raw:
+            while chunk := raw.read(65536):
+                *complete, pending = (pending + chunk).split(b"\n")
+                for line in complete:
+                    number += 1
+                    lines.put((number, line))
+        if pending:
+            lines.put((number + 1, pending))
+    except BaseException as err:  # handed to the main thread, which raises it
+        lines.put(err)
+        return
+    lines.put(None)
+
+
 def _stdin_batches() -> Iterator[list[bytes]]:
     """Standard input's non-empty lines (line ends taken off), in batches of up to
-    ``CREATE_BATCH``; a batch is also yielded once no line has come for ``CREATE_IDLE_S``.
+    ``CREATE_BATCH``; a batch is also yielded ``CREATE_IDLE_S`` after its first line came.
     A line that is not UTF-8 raises ``InvalidArgumentError`` naming its number."""
-    source: Any = getattr(sys.stdin, "buffer", sys.stdin)
-    lines: queue.Queue[tuple[int, bytes | str] | BaseException | None] = queue.Queue(
+    lines: queue.Queue[tuple[int, bytes] | BaseException | None] = queue.Queue(
         maxsize=4 * CREATE_BATCH
     )
-
-    def read() -> None:
-        try:
-            for item in enumerate(source, 1):
-                lines.put(item)
-        except BaseException as err:  # handed to the main thread, which raises it
-            lines.put(err)
-            return
-        lines.put(None)
-
-    threading.Thread(target=read, name="lonnymq-stdin", daemon=True).start()
+    threading.Thread(target=_read_stdin, args=(lines,), name="lonnymq-stdin", daemon=True).start()
     batch: list[bytes] = []
+    deadline = 0.0
     while True:
         try:
-            item = lines.get(timeout=CREATE_IDLE_S if batch else None)
+            if batch:
+                item = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            else:
+                item = lines.get()
         except queue.Empty:
             yield batch
             batch = []
@@ -562,8 +589,7 @@ def _stdin_batches() -> Iterator[list[bytes]]:
         if isinstance(item, BaseException):
             raise item
         number, line = item
-        raw = line if isinstance(line, bytes) else _utf8(line, f"line {number} of standard input")
-        text = raw.rstrip(b"\r\n")
+        text = line.rstrip(b"\r\n")
         if not text:
             continue
         try:
@@ -572,18 +598,44 @@ def _stdin_batches() -> Iterator[list[bytes]]:
             raise InvalidArgumentError(
                 f"line {number} of standard input is not UTF-8 text: {err.reason}"
             ) from err
+        if not batch:
+            deadline = time.monotonic() + CREATE_IDLE_S
         batch.append(text)
-        if len(batch) == CREATE_BATCH:
+        if len(batch) == CREATE_BATCH or time.monotonic() >= deadline:
             yield batch
             batch = []
     if batch:
         yield batch
 
 
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM within the block are recorded in the list instead of interrupting
+    it (a second one interrupts at once): a batch sent to the server is then counted whether
+    or not its reply had come back when the first signal came."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def record(signum: int, frame: object) -> None:
+        if got:
+            raise KeyboardInterrupt
+        got.append(signum)
+
+    before = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def _create(q: Queue, args: argparse.Namespace) -> int:
     if args.dequeue_at is not None and args.delay_ms is not None:
         raise InvalidArgumentError("give --dequeue-at or --delay-ms, not both")
-    at = args.dequeue_at if args.delay_ms is None else q.now() + args.delay_ms
+    # --delay-ms counts from when each batch is sent (lines may come long after the start).
+    offset_ms = 0 if args.delay_ms is None else q.now() - int(time.time() * 1000)
     batches: Iterator[list[bytes]]
     total = 0
     if args.contents or args.dedup_key is not None:
@@ -601,28 +653,47 @@ def _create(q: Queue, args: argparse.Namespace) -> int:
         batches = _stdin_batches()
     counts: dict[str, int] = {}
     sent = 0
+    in_flight = 0
     if total:
         progress = _Progress("creating", total if total > CREATE_BATCH else 0)
     else:  # streaming standard input: count, unless a person is typing the lines
-        progress = _Progress("creating", 0 if sys.stdin.isatty() else None)
+        progress = _Progress("creating", 0 if sys.stdin is None or sys.stdin.isatty() else None)
     try:
         for batch in batches:
-            results = q.create_many(
-                NewMessage(c, channel=args.channel, dequeue_at=at, dedup_key=args.dedup_key)
-                for c in batch
-            )
-            sent += len(batch)
-            for result in results:
-                counts[result.status] = counts.get(result.status, 0) + 1
-                if args.json:
+            at = args.dequeue_at
+            if args.delay_ms is not None:
+                at = int(time.time() * 1000) + offset_ms + args.delay_ms
+            in_flight = len(batch)
+            with _signals_deferred() as signalled:
+                results = q.create_many(
+                    NewMessage(c, channel=args.channel, dequeue_at=at, dedup_key=args.dedup_key)
+                    for c in batch
+                )
+                sent += len(batch)
+                in_flight = 0
+                for result in results:
+                    counts[result.status] = counts.get(result.status, 0) + 1
+            if signalled:
+                raise KeyboardInterrupt
+            if args.json:
+                for result in results:
                     print(json.dumps(asdict(result)))
             progress.advance(len(batch))
-    except BaseException:
-        if sent:
-            # Each batch is its own transaction: say where a rerun should start.
+    except BaseException as err:
+        # Each batch is its own transaction: say where a rerun should start.
+        done = ", ".join(f"{n} {status}" for status, n in counts.items())
+        unsure = in_flight and isinstance(err, KeyboardInterrupt | DatabaseUnavailableError)
+        if unsure:
             print(
-                f"lonnymq: stopped after the first {sent:,} messages, which were committed; "
+                f"lonnymq: the first {sent:,} messages were committed ({done or 'none'}); the "
+                f"next {in_flight:,} may or may not have been (stopped while they were sent); "
                 "none after them was",
+                file=sys.stderr,
+            )
+        elif sent:
+            print(
+                f"lonnymq: stopped after the first {sent:,} messages, which were committed "
+                f"({done}); none after them was",
                 file=sys.stderr,
             )
         raise
