@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 from collections.abc import Callable
 
@@ -181,3 +182,29 @@ def test_async_worker_finishes_and_takes_the_next_message_in_one_call(
     assert "message_delete" not in calls
     assert calls.get("message_dequeue_many", 0) <= 3
     assert all(s.size == 0 for s in sync.stats())
+
+
+def test_async_worker_reuses_its_handler_threads(
+    dsn: str, make_queue: Callable[..., Queue]
+) -> None:
+    """Plain-function handlers run in at most ``concurrency`` threads, reused from message to
+    message: thread-local state a handler sets up (a client session, say) lasts. (For a while
+    each message got a thread of its own.)"""
+    sync = make_queue()
+    sync.create_many([NewMessage(b"m%d" % i) for i in range(200)])
+    local = threading.local()
+    setups: list[str] = []
+
+    def handler(message: AsyncMessage) -> None:
+        if not hasattr(local, "session"):
+            local.session = threading.current_thread().name
+            setups.append(local.session)
+
+    async def main() -> WorkerStats:
+        async with AsyncQueue(dsn, schema=sync.schema) as queue:
+            worker = AsyncWorker(queue, handler, concurrency=4, idle_ms=20)
+            return await worker.run(handle_signals=False, until_idle=True)
+
+    stats = asyncio.run(main())
+    assert stats.completed == 200
+    assert 1 <= len(setups) <= 4

@@ -9,6 +9,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import queue
 import random
 import signal
 import threading
@@ -116,6 +117,7 @@ class AsyncWorker:
         self._running: dict[_Run, None] = {}
         self._rng = random.Random()
         self._clock_offset_ms = 0
+        self._threads: _HandlerThreads | None = None
 
     def stop(self) -> None:
         """Ask the worker to stop (call it from the worker's event loop). Asked before
@@ -142,6 +144,7 @@ class AsyncWorker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
                 signals.append(sig)
+        self._threads = _HandlerThreads(self.options.concurrency)
         helpers = [asyncio.create_task(self._heartbeats())]
         if self.options.maintenance_ms is not None:
             helpers.append(asyncio.create_task(self._maintain(self.options.maintenance_ms)))
@@ -151,6 +154,7 @@ class AsyncWorker:
         finally:
             self._stopping.set()
             await self._shutdown()
+            self._threads.stop()
             self._stops_seen = self._stops
             for helper in helpers:
                 helper.cancel()
@@ -221,7 +225,8 @@ class AsyncWorker:
             await self.handler(message)
             return
         call = functools.partial(contextvars.copy_context().run, self.handler, message)
-        result = await _in_daemon_thread(call)
+        assert self._threads is not None
+        result = await self._threads.run(call)
         if inspect.isawaitable(result):
             await result
 
@@ -511,32 +516,55 @@ class AsyncWorker:
             log.error("message %s could not be given back (%s)", message.id, err)
 
 
-def _in_daemon_thread(call: Callable[[], Any]) -> asyncio.Future[Any]:
-    """Run ``call`` in a thread of its own and return a future of its result. A daemon thread,
-    unlike an executor's (which the interpreter joins at exit): a handler that outlives the
+class _HandlerThreads:
+    """Threads for plain-function handlers: at most ``size``, started as needed and reused
+    (a handler's thread-local state, such as a client session, lasts), and daemon threads,
+    unlike an executor's, which the interpreter joins at exit: a handler that outlives the
     grace period, its message already given back, must not keep the process alive, or its
     work would run twice."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
 
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.cancelled():
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._started = 0
+        self._work: queue.SimpleQueue[
+            tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[[], Any]] | None
+        ] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
 
-    def target() -> None:
-        result: Any = None
-        error: BaseException | None = None
-        try:
-            result = call()
-        except BaseException as err:  # handed to the awaiting task, as an executor would
-            error = err
-        # The loop may be closed by now (the worker stopped without it).
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, result, error)
+    def run(self, call: Callable[[], Any]) -> asyncio.Future[Any]:
+        """Run ``call`` in one of the threads; a future of its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not self._idle.acquire(blocking=False) and self._started < self._size:
+            self._started += 1
+            threading.Thread(target=self._serve, daemon=True, name="lonnymq-handler").start()
+        self._work.put((loop, future, call))
+        return future
 
-    threading.Thread(target=target, daemon=True, name="lonnymq-handler").start()
-    return future
+    def stop(self) -> None:
+        """Let the threads end once they are idle (no waiting for them)."""
+        for _ in range(self._started):
+            self._work.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            loop, future, call = item
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = call()
+            except BaseException as err:  # handed to the awaiting task, as an executor would
+                error = err
+            # The loop may be closed by now (the worker stopped without it).
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, result, error)
+            self._idle.release()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
