@@ -264,12 +264,14 @@ DEFAULT_CONNECT_TIMEOUT_S = 10
 
 def with_connect_timeout(dsn: str) -> str:
     """``dsn`` with ``connect_timeout=DEFAULT_CONNECT_TIMEOUT_S`` when neither it nor the
-    environment sets a connect timeout. A string that does not parse is returned as it is:
-    the first connection says what is wrong with it."""
-    if os.environ.get("PGCONNECT_TIMEOUT"):
+    environment sets a connect timeout, and it names no service (a service file may set one,
+    which an added setting would override). A string that does not parse is returned as it
+    is: the first connection says what is wrong with it."""
+    if os.environ.get("PGCONNECT_TIMEOUT") or os.environ.get("PGSERVICE"):
         return dsn
     try:
-        if "connect_timeout" in conninfo_to_dict(dsn):
+        params = conninfo_to_dict(dsn)
+        if "connect_timeout" in params or "service" in params:
             return dsn
         return make_conninfo(dsn, connect_timeout=DEFAULT_CONNECT_TIMEOUT_S)
     except psycopg.ProgrammingError:

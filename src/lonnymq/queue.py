@@ -407,14 +407,11 @@ class Queue:
         try:
             probe = Connection.connect(self.dsn, autocommit=True)
         except psycopg.errors.ConnectionTimeout as err:
-            timeout = conninfo_to_dict(self.dsn).get("connect_timeout") or os.environ.get(
-                "PGCONNECT_TIMEOUT"
-            )
             raise translate(
                 psycopg.OperationalError(
-                    f"cannot connect to PostgreSQL: no answer within connect_timeout "
-                    f"({timeout} s); check the host and port, or set connect_timeout in the "
-                    "connection string to wait longer"
+                    f"cannot connect to PostgreSQL: {err} (no answer within connect_timeout); "
+                    "check the host and port, or set connect_timeout in the connection string "
+                    "to wait longer"
                 ),
                 schema=self._schema,
             ) from err

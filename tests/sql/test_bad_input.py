@@ -779,7 +779,10 @@ def _silent_server() -> Iterator[int]:
 
 def test_connect_timeout_is_added_unless_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    monkeypatch.delenv("PGSERVICE", raising=False)
     assert conninfo_to_dict(Queue("host=h dbname=d").dsn)["connect_timeout"] == "10"
+    # A service file may set its own: an added setting would override it.
+    assert Queue("service=billing").dsn == "service=billing"
     assert conninfo_to_dict(Queue("postgresql://u@h:5/d").dsn) == {
         "user": "u",
         "host": "h",
@@ -789,6 +792,9 @@ def test_connect_timeout_is_added_unless_one_is_set(monkeypatch: pytest.MonkeyPa
     }
     assert Queue("host=h connect_timeout=3").dsn == "host=h connect_timeout=3"
     assert Queue("not a dsn").dsn == "not a dsn"  # refused at first use, with its cause
+    monkeypatch.setenv("PGSERVICE", "billing")
+    assert Queue("host=h dbname=d").dsn == "host=h dbname=d"
+    monkeypatch.delenv("PGSERVICE")
     monkeypatch.setenv("PGCONNECT_TIMEOUT", "4")
     assert Queue("host=h dbname=d").dsn == "host=h dbname=d"
 

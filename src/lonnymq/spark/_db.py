@@ -39,7 +39,11 @@ def statement(schema: str, name: str) -> sql.Composed:
 def connect(conn: Connection, *, autocommit: bool = True) -> Conn:
     """A new connection to the queue's database."""
     try:
-        db = psycopg.connect(conn.dsn, autocommit=True, application_name="lonnymq-spark")
+        db = psycopg.connect(
+            _core.with_connect_timeout(conn.dsn),
+            autocommit=True,
+            application_name="lonnymq-spark",
+        )
         try:
             # The queue's operations run at READ COMMITTED whatever the server's or the role's
             # default; a snapshot read still asks for REPEATABLE READ by name.
