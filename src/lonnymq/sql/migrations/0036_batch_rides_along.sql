@@ -16,8 +16,12 @@
 -- after the advisory locks, as the one-channel ride-along's is). The rows stay with their
 -- holders, which send the channels to the back. A lone busy channel is left to the one-channel
 -- ride-along, as before. Repeated while it takes something; a channel that gave less than its
--- share has no head left and is passed. Results differ in one way: a batch riding along takes
--- the busy channels' heads in turn (a1, b1, a2, b2) where it took a1, a2, ... first.
+-- share has no head left and is passed (unless it was given a policy meanwhile: the steps
+-- below serve it under its row). It keeps the slots 2a keeps for channels with a policy whose
+-- rows 2a holds, so those are served in the same call, and the channels it reads count as
+-- probes of the call, since each keeps its advisory lock to the end of the transaction.
+-- Results differ in one way: a batch riding along takes the busy channels' heads in turn (a1,
+-- b1, a2, b2) where it took a1, a2, ... first.
 
 CREATE OR REPLACE FUNCTION message_dequeue_loop(p_limit INTEGER, p_lock_ms BIGINT)
 RETURNS TABLE (
@@ -55,6 +59,8 @@ DECLARE
     v_ride TEXT[];
     v_ride_more BOOLEAN := TRUE;
     v_rows_held BOOLEAN := FALSE;
+    v_reserved INTEGER := 0;
+    v_budget INTEGER;
     v_batch message[];
 BEGIN
     IF NOT coalesce(p_limit BETWEEN 1 AND 10000 AND p_lock_ms BETWEEN 1 AND 604800000, FALSE)
@@ -110,8 +116,8 @@ BEGIN
                       AND pg_try_advisory_xact_lock_shared(channel_key(d.name)));
                 -- One slot stays for each channel with a policy among them: the steps below
                 -- serve those (they come first in turn), so a batch never starves them.
-                v_share := p_limit - v_taken
-                    - (SELECT count(*) FROM unnest(v_due) AS d WHERE d.has_policy)::INTEGER;
+                v_reserved := (SELECT count(*) FROM unnest(v_due) AS d WHERE d.has_policy);
+                v_share := p_limit - v_taken - v_reserved;
                 IF cardinality(v_free) > 0 AND v_share > 0 THEN
                     -- Each channel's share exactly (the first in turn take one more when
                     -- they do not divide evenly), so every head locked is a head taken: a
@@ -190,7 +196,10 @@ BEGIN
             -- are left to the steps below, and so is a lone busy channel (the one-channel
             -- ride-along takes the same heads in fewer statements). Repeated while it takes
             -- something; a channel that gave less than its share has no head left and is passed.
-            IF v_ride_more AND v_rows_held AND p_limit - v_taken >= 2 THEN
+            -- It keeps 2a's slots for the channels with a policy whose rows 2a holds, and the
+            -- channels it locks count as probes (each holds its advisory lock to the end).
+            v_budget := p_limit - v_taken - v_reserved;
+            IF v_ride_more AND v_rows_held AND v_budget >= 2 THEN
                 v_ride_more := FALSE;
                 v_ride := ARRAY(
                     SELECT c.name FROM channel c
@@ -203,16 +212,17 @@ BEGIN
                       AND c.name <> ALL (v_passed)
                       AND c.name <> ALL (v_free)
                     ORDER BY c.next_dequeue_at, c.turn
-                    LIMIT p_limit - v_taken);
+                    LIMIT v_budget);
                 IF cardinality(v_ride) >= 2 THEN
                     v_ride := ARRAY(
                         SELECT r.name FROM unnest(v_ride) WITH ORDINALITY AS r(name, ord)
                         WHERE pg_try_advisory_xact_lock_shared(channel_key(r.name))
                         ORDER BY r.ord);
+                    v_probes := v_probes + cardinality(v_ride);
                 END IF;
                 IF cardinality(v_ride) >= 2 THEN
-                    v_quota := (p_limit - v_taken) / cardinality(v_ride);
-                    v_extra := (p_limit - v_taken) % cardinality(v_ride);
+                    v_quota := v_budget / cardinality(v_ride);
+                    v_extra := v_budget % cardinality(v_ride);
                     -- A statement of its own after the advisory locks, so that its snapshot
                     -- sees any policy set before them.
                     WITH picked AS (
@@ -248,10 +258,14 @@ BEGIN
                                b.dequeue_at, b.unlock_at, NULL::BIGINT
                         FROM unnest(v_batch) AS b;
                     v_taken := v_taken + cardinality(v_batch);
+                    -- (A channel given a policy meanwhile was left out, not drained: the
+                    -- steps below serve it under its row.)
                     v_passed := v_passed || ARRAY(
                         SELECT f.name FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
                         WHERE (SELECT count(*) FROM unnest(v_batch) AS b WHERE b.channel = f.name)
-                              < v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END);
+                              < v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
+                          AND NOT EXISTS (
+                              SELECT FROM channel p WHERE p.name = f.name AND p.has_policy));
                     IF cardinality(v_batch) > 0 THEN
                         v_ride_more := TRUE;
                         CONTINUE;

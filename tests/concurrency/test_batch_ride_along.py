@@ -1,0 +1,176 @@
+"""Migration 0036: a batch dequeue rides along on busy channels in one statement (step 2b of
+message_dequeue_loop). Three faults a review of its first version found, each reproduced:
+a channel with a policy starved, advisory locks growing with the square of the limit, and a
+false empty when a policy is set while the batch rides along."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from lonnymq import NewMessage, Queue
+
+LOCK_MS = 60_000
+Conn = psycopg.Connection[Any]
+
+
+def _session(dsn: str, schema: str, autocommit: bool = False) -> Conn:
+    conn = psycopg.connect(dsn, autocommit=autocommit)
+    conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(schema)))
+    if not autocommit:
+        conn.commit()
+    return conn
+
+
+def _dequeue(conn: Conn, limit: int) -> list[str | None]:
+    rows = conn.execute(
+        "SELECT convert_from(content, 'utf8') FROM message_dequeue_many(%s, %s)", [limit, LOCK_MS]
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def test_riding_along_keeps_a_slot_for_a_free_channel_with_a_policy(dsn: str, queue: Queue) -> None:
+    """A channel with a policy comes first in turn and its row is free; the other due channels'
+    rows are held by another dequeue. 2a locks the policy channel's row and leaves it to the
+    one-by-one steps; 2b must keep it a slot, or it fills the batch from the busy channels and
+    the policy channel, its row held by the batch, is not served (the first version did)."""
+    queue.channel("p").set_policy(max_concurrency=5)
+    now = queue.now()
+    queue.create_many(
+        [NewMessage(f"p{i}".encode(), channel="p", dequeue_at=now - 10_000) for i in (1, 2, 3)]
+        + [
+            NewMessage(f"{c}{i}".encode(), channel=c, dequeue_at=now - 5_000)
+            for c in "abc"
+            for i in range(1, 6)
+        ]
+    )
+    holder = _session(dsn, queue.schema)
+    consumer = _session(dsn, queue.schema)
+    try:
+        holder.execute("SELECT FROM channel WHERE name = ANY('{a,b,c}') FOR UPDATE")
+        calls = []
+        for _ in range(2):
+            calls.append(_dequeue(consumer, 4))
+            consumer.commit()
+        assert any(m is not None and m.startswith("p") for m in calls[0]), calls
+    finally:
+        holder.rollback()
+        consumer.rollback()
+        holder.close()
+        consumer.close()
+    assert queue.verify() == []
+
+
+def test_riding_along_takes_a_bounded_number_of_advisory_locks(dsn: str, queue: Queue) -> None:
+    """Due channels whose rows say due while their only message is in flight (the "too early"
+    state riders leave behind), with one channel that has a ready message in each window 2b
+    reads. Each 2b round that takes something reads the next window, and every channel read
+    keeps its shared advisory lock to the end of the transaction: about L*L/2 locks for a
+    limit of L in the first version (the one-channel steps take at most one per probe, 2L+8;
+    with L = 200, ~20,000 locks: "out of shared memory" on a default server). The channels 2b
+    reads now count as probes."""
+    limit = 50
+    order: list[tuple[str, bool]] = []
+    remaining, round_no = limit, 1
+    while remaining >= 2:
+        for _ in range(remaining - (1 if round_no > 1 else 0) - 1):
+            order.append((f"s{len(order)}", False))
+        order.append((f"g{round_no}", True))
+        remaining, round_no = remaining - 1, round_no + 1
+    now = queue.now()
+    queue.create_many(
+        [
+            NewMessage(name.encode(), channel=name, dequeue_at=now - 1_000_000 + pos)
+            for pos, (name, _) in enumerate(order)
+        ]
+    )
+    names = [n for n, _ in order]
+    stale = [n for n, good in order if not good]
+    holder = _session(dsn, queue.schema)
+    consumer = _session(dsn, queue.schema)
+    try:
+        holder.execute("SELECT FROM channel WHERE name = ANY(%s) FOR UPDATE", [names])
+        # The stale channels' messages are in flight; their rows still say due (allowed).
+        with _session(dsn, queue.schema, autocommit=True) as admin:
+            admin.execute(
+                "UPDATE message SET is_locked = TRUE, unlock_at = %s, locked_at = %s,"
+                " num_attempts = 1 WHERE channel = ANY(%s)",
+                [now + 3_600_000, now, stale],
+            )
+        taken = _dequeue(consumer, limit)
+        row = consumer.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        ).fetchone()
+        assert row is not None
+        assert taken  # the ready channels' messages
+        assert row[0] <= 3 * limit + 8
+    finally:
+        holder.rollback()
+        consumer.rollback()
+        holder.close()
+        consumer.close()
+
+
+def test_riding_along_leaves_a_channel_given_a_policy_meanwhile_to_its_row(
+    dsn: str, queue: Queue
+) -> None:
+    """2b reads the busy channels, then takes their advisory locks. A policy set and committed
+    in between is seen by its statement, which leaves the channel out; the channel then counts
+    as "gave less than its share" and is passed, so the call answers nothing although the
+    channel has a due message and a policy that allows it (the first version did). channel_key
+    is replaced, in this test's schema only, by one that pauses for channel 'x' in the
+    consumer's session: fault injection to hold the window open."""
+    now = queue.now()
+    queue.create_many(
+        [
+            NewMessage(b"y1", channel="y", dequeue_at=now - 3000),
+            NewMessage(b"x1", channel="x", dequeue_at=now - 2000),
+        ]
+    )
+    admin = _session(dsn, queue.schema, autocommit=True)
+    src = admin.execute(
+        "SELECT prosrc FROM pg_proc WHERE proname = 'channel_key'"
+        " AND pronamespace = %s::regnamespace",
+        [queue.schema],
+    ).fetchone()
+    assert src is not None
+    expr = src[0].strip().removeprefix("SELECT ")
+    admin.execute(
+        "CREATE OR REPLACE FUNCTION channel_key(p_channel TEXT) RETURNS BIGINT"
+        " LANGUAGE plpgsql VOLATILE AS $f$ BEGIN"
+        " IF p_channel = 'x' AND current_setting('rev.pause', TRUE) = 'on' THEN"
+        " PERFORM pg_sleep(2); END IF;"
+        f" RETURN {expr}; END $f$"
+    )
+    holder = _session(dsn, queue.schema)
+    rider = _session(dsn, queue.schema)
+    consumer = _session(dsn, queue.schema)
+    out: dict[str, list[str | None]] = {}
+    try:
+        holder.execute("SELECT FROM channel WHERE name = ANY('{x,y}') FOR UPDATE")
+        # A single dequeue rides along on y (its row is held) and takes y1: y's row says due.
+        assert _dequeue(rider, 1) == ["y1"]
+        rider.commit()
+        consumer.execute("SET rev.pause = 'on'")
+        thread = threading.Thread(target=lambda: out.setdefault("rows", _dequeue(consumer, 5)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not admin.execute(
+            "SELECT FROM pg_stat_activity WHERE wait_event = 'PgSleep'"
+        ).fetchall():
+            assert time.monotonic() < deadline, "the consumer never reached channel x"
+            time.sleep(0.01)
+        holder.rollback()
+        queue.channel("x").set_policy(max_concurrency=5)
+        thread.join()
+        assert out["rows"] == ["x1"], out
+    finally:
+        holder.rollback()
+        consumer.rollback()
+        rider.rollback()
+        for c in (holder, consumer, rider, admin):
+            c.close()
