@@ -18,13 +18,15 @@ SCRIPT = ROOT / "benchmarks" / "checkouts.py"
 
 
 @pytest.mark.slow
-def test_checkouts_compares_two_trees_and_drops_its_schemas(dsn: str) -> None:
+@pytest.mark.parametrize("shape", ["drain", "steady"])
+def test_checkouts_compares_two_trees_and_drops_its_schemas(dsn: str, shape: str) -> None:
     prefix = f"t_{uuid.uuid4().hex[:12]}"
     result = subprocess.run(
         [
             sys.executable, str(SCRIPT), str(ROOT), str(ROOT), "--dsn", dsn,
             "--prefix", prefix, "--channels", "10", "--backlog", "20000",
-            "--rounds", "2", "--clients", "2", "--seconds", "1",
+            "--rounds", "2", "--clients", "2", "--seconds", "1", "--shape", shape,
+            "--batch", "100" if shape == "steady" else "1",
         ],
         capture_output=True,
         text=True,
