@@ -313,9 +313,10 @@ def _hold_channel_rows(session: Conn, schema: str, *names: str) -> None:
 
 
 def test_a_batch_rides_along_on_busy_channels_in_turn(dsn: str, queue: Queue) -> None:
-    """Every due channel's row is held by another session: a batch takes their heads round
-    robin (a1, b1, c1, a2, ...), as it does from channels whose rows it locks. Before 0036 it
-    took all it could from the first busy channel, then one channel after another."""
+    """Every due channel's row is held by another session: a batch takes what the first busy
+    channel has, then the other channels' heads round robin (b1, c1, b2, ...), as it does from
+    channels whose rows it locks. Before 0036 it took all it could from one busy channel after
+    another (b1, b2, ... then c1, ...)."""
     now = queue.now()
     # "a" first in turn, then "b", then "c".
     offsets = {"a": 3_000, "b": 2_000, "c": 1_000}
@@ -329,9 +330,9 @@ def test_a_batch_rides_along_on_busy_channels_in_turn(dsn: str, queue: Queue) ->
     with _session(dsn) as holder:
         _hold_channel_rows(holder, queue.schema, "a", "b", "c")
         taken = queue.dequeue_many(5, lock_ms=LOCK_MS)
-        assert [m.content for m in taken] == [b"a1", b"b1", b"c1", b"a2", b"b2"]
+        assert [m.content for m in taken] == [b"a1", b"a2", b"a3", b"b1", b"c1"]
         rest = queue.dequeue_many(10, lock_ms=LOCK_MS)
-        assert sorted(m.content for m in rest) == [b"a3", b"b3", b"c2", b"c3"]
+        assert sorted(m.content for m in rest) == [b"b2", b"b3", b"c2", b"c3"]
         holder.rollback()
     assert queue.verify() == []
 

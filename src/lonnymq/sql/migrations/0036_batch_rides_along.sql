@@ -9,7 +9,8 @@
 -- PostgreSQL 15), a call made about 15 channel probes, which took 65 ms of its 76.
 --
 -- Step 2b, taken only when 2a locked fewer rows than it asked for (every other due row is held
--- elsewhere), rides along on the busy due channels together: it reads them in turn without
+-- elsewhere) and the one-channel ride-along has emptied the first busy channel without filling
+-- the batch, rides along on the other busy due channels together: it reads them in turn without
 -- locking their rows, takes each one's shared advisory lock (a channel whose policy is being
 -- changed is left out), and in one statement takes their heads round robin, an equal share
 -- each, leaving out any channel that has a policy by then (the statement's snapshot is taken
@@ -20,8 +21,10 @@
 -- below serve it under its row). It keeps the slots 2a keeps for channels with a policy whose
 -- rows 2a holds, so those are served in the same call, and the channels it reads count as
 -- probes of the call, since each keeps its advisory lock to the end of the transaction.
--- Results differ in one way: a batch riding along takes the busy channels' heads in turn (a1,
--- b1, a2, b2) where it took a1, a2, ... first.
+-- Results differ in one way: once the first busy channel is empty, a batch riding along takes
+-- the other busy channels' heads in turn (a1, a2, then b1, c1, b2, c2) where it took all of b's
+-- before c's. (Spreading from the first channel on cost drains of deep backlogs: one index
+-- probe and advisory lock per channel where one probe of one channel filled the batch.)
 
 CREATE OR REPLACE FUNCTION message_dequeue_loop(p_limit INTEGER, p_lock_ms BIGINT)
 RETURNS TABLE (
@@ -60,6 +63,7 @@ DECLARE
     v_ride_more BOOLEAN := TRUE;
     v_rows_held BOOLEAN := FALSE;
     v_reserved INTEGER := 0;
+    v_rode BOOLEAN := FALSE;
     v_budget INTEGER;
     v_batch message[];
 BEGIN
@@ -189,17 +193,19 @@ BEGIN
                 END IF;
             END IF;
 
-            -- 2b. Ride along, in one statement, on the due channels whose rows other
-            -- dequeues hold (2a could not lock them): their heads round robin, an equal share
-            -- each, as in 2a, but leaving their rows to their holders, as the one-channel
-            -- ride-along below does. Channels with a policy, or whose policy is being changed,
-            -- are left to the steps below, and so is a lone busy channel (the one-channel
-            -- ride-along takes the same heads in fewer statements). Repeated while it takes
-            -- something; a channel that gave less than its share has no head left and is passed.
+            -- 2b. Once the one-channel ride-along below has taken what the first busy channel
+            -- had and the batch is still short (that channel was shallow; a deep one fills the
+            -- batch in one statement, and 2b never runs), ride along, in one statement, on the
+            -- other due channels whose rows other dequeues hold: their heads round robin, an
+            -- equal share each, as in 2a, but leaving their rows to their holders. Channels
+            -- with a policy, or whose policy is being changed, are left to the steps below, and
+            -- so is a lone busy channel (the one-channel ride-along serves it). Repeated while
+            -- it takes something; a channel that gave less than its share has no head left and
+            -- is passed.
             -- It keeps 2a's slots for the channels with a policy whose rows 2a holds, and the
             -- channels it locks count as probes (each holds its advisory lock to the end).
             v_budget := p_limit - v_taken - v_reserved;
-            IF v_ride_more AND v_rows_held AND v_budget >= 2 THEN
+            IF v_ride_more AND v_rows_held AND v_rode AND v_budget >= 2 THEN
                 v_ride_more := FALSE;
                 v_ride := ARRAY(
                     SELECT c.name FROM channel c
@@ -327,6 +333,7 @@ BEGIN
                     -- rather than answer "nothing" while other channels have messages.
                     v_passed := v_passed || v_busy;
                     v_taken := v_taken + v_rows;
+                    v_rode := TRUE;
                     CONTINUE;
                 ELSE
                     -- A channel with a policy is served under its row: wait a little for it,
