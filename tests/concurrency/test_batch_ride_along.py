@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 from lonnymq import NewMessage, Queue
@@ -115,6 +116,33 @@ def test_riding_along_takes_a_bounded_number_of_advisory_locks(dsn: str, queue: 
         consumer.close()
 
 
+def _pause_channel_key_of_x(admin: Conn, schema: str) -> None:
+    """Replace channel_key, in ``schema`` only, by one that sleeps 2 s for channel 'x' in a
+    session that set lonnymq_test.pause: fault injection that holds a dequeue between reading
+    the busy channels and taking x's advisory lock."""
+    src = admin.execute(
+        "SELECT prosrc FROM pg_proc WHERE proname = 'channel_key'"
+        " AND pronamespace = %s::regnamespace",
+        [schema],
+    ).fetchone()
+    assert src is not None
+    expr = src[0].strip().removeprefix("SELECT ")
+    admin.execute(
+        "CREATE OR REPLACE FUNCTION channel_key(p_channel TEXT) RETURNS BIGINT"
+        " LANGUAGE plpgsql VOLATILE AS $f$ BEGIN"
+        " IF p_channel = 'x' AND current_setting('lonnymq_test.pause', TRUE) = 'on' THEN"
+        " PERFORM pg_sleep(2); END IF;"
+        f" RETURN {expr}; END $f$"
+    )
+
+
+def _wait_for_the_pause(admin: Conn) -> None:
+    deadline = time.monotonic() + 30
+    while not admin.execute("SELECT FROM pg_stat_activity WHERE wait_event = 'PgSleep'").fetchall():
+        assert time.monotonic() < deadline, "the consumer never reached channel x"
+        time.sleep(0.01)
+
+
 def test_riding_along_leaves_a_channel_given_a_policy_meanwhile_to_its_row(
     dsn: str, queue: Queue
 ) -> None:
@@ -132,20 +160,7 @@ def test_riding_along_leaves_a_channel_given_a_policy_meanwhile_to_its_row(
         ]
     )
     admin = _session(dsn, queue.schema, autocommit=True)
-    src = admin.execute(
-        "SELECT prosrc FROM pg_proc WHERE proname = 'channel_key'"
-        " AND pronamespace = %s::regnamespace",
-        [queue.schema],
-    ).fetchone()
-    assert src is not None
-    expr = src[0].strip().removeprefix("SELECT ")
-    admin.execute(
-        "CREATE OR REPLACE FUNCTION channel_key(p_channel TEXT) RETURNS BIGINT"
-        " LANGUAGE plpgsql VOLATILE AS $f$ BEGIN"
-        " IF p_channel = 'x' AND current_setting('rev.pause', TRUE) = 'on' THEN"
-        " PERFORM pg_sleep(2); END IF;"
-        f" RETURN {expr}; END $f$"
-    )
+    _pause_channel_key_of_x(admin, queue.schema)
     holder = _session(dsn, queue.schema)
     rider = _session(dsn, queue.schema)
     consumer = _session(dsn, queue.schema)
@@ -155,15 +170,10 @@ def test_riding_along_leaves_a_channel_given_a_policy_meanwhile_to_its_row(
         # A single dequeue rides along on y (its row is held) and takes y1: y's row says due.
         assert _dequeue(rider, 1) == ["y1"]
         rider.commit()
-        consumer.execute("SET rev.pause = 'on'")
+        consumer.execute("SET lonnymq_test.pause = 'on'")
         thread = threading.Thread(target=lambda: out.setdefault("rows", _dequeue(consumer, 5)))
         thread.start()
-        deadline = time.monotonic() + 30
-        while not admin.execute(
-            "SELECT FROM pg_stat_activity WHERE wait_event = 'PgSleep'"
-        ).fetchall():
-            assert time.monotonic() < deadline, "the consumer never reached channel x"
-            time.sleep(0.01)
+        _wait_for_the_pause(admin)
         holder.rollback()
         queue.channel("x").set_policy(max_concurrency=5)
         thread.join()
@@ -174,3 +184,105 @@ def test_riding_along_leaves_a_channel_given_a_policy_meanwhile_to_its_row(
         rider.rollback()
         for c in (holder, consumer, rider, admin):
             c.close()
+
+
+def _stale(dsn: str, schema: str, channels: list[str], now: int) -> None:
+    """Mark the messages of ``channels`` in flight while their rows still say due (the "too
+    early" state riders leave behind)."""
+    with _session(dsn, schema, autocommit=True) as admin:
+        admin.execute(
+            "UPDATE message SET is_locked = TRUE, unlock_at = %s, locked_at = %s,"
+            " num_attempts = 1 WHERE channel = ANY(%s)",
+            [now + 3_600_000, now, channels],
+        )
+
+
+@pytest.mark.parametrize("layout", ["deep_first", "spread"])
+def test_riding_along_fills_the_batch_from_busy_channels_among_stale_ones(
+    dsn: str, queue: Queue, layout: str
+) -> None:
+    """Every row is held; most due channels are stale. deep_first: channel g, first in turn,
+    has 100 ready messages; spread: 10 channels of 20 ready messages each among 190 stale
+    ones, a stale one first. A batch takes as many as the limit asks for, as before 0036 (the
+    second version gave 3 of 50, and 60 of 100: each round charged its whole window as
+    probes and gave each channel one message)."""
+    now = queue.now()
+    if layout == "deep_first":
+        limit = 50
+        good = {"g": 100}
+        order = ["g"] + [f"s{i:03d}" for i in range(150)]
+    else:
+        limit = 100
+        order = [f"s{i:03d}" if i % 20 else f"g{i:03d}" for i in range(1, 201)]
+        good = {name: 20 for name in order if name.startswith("g")}
+    created = []
+    for pos, name in enumerate(order):
+        for i in range(good.get(name, 1)):
+            created.append(
+                NewMessage(f"{name}-{i}".encode(), channel=name, dequeue_at=now - 1_000_000 + pos)
+            )
+    queue.create_many(created)
+    _stale(dsn, queue.schema, [n for n in order if n not in good], now)
+    holder = _session(dsn, queue.schema)
+    consumer = _session(dsn, queue.schema)
+    try:
+        holder.execute("SELECT FROM channel FOR UPDATE")
+        taken = _dequeue(consumer, limit)
+        assert len(taken) == limit, taken
+        assert all(m is not None and m.split("-")[0] in good for m in taken)
+        if layout == "deep_first":
+            assert taken == [f"g-{i}" for i in range(limit)]
+    finally:
+        holder.rollback()
+        consumer.rollback()
+        holder.close()
+        consumer.close()
+
+
+def test_riding_along_does_not_lock_the_heads_of_a_channel_given_a_policy_meanwhile(
+    dsn: str, queue: Queue
+) -> None:
+    """x gets a policy between 2b's read of the busy channels and its advisory lock. x must be
+    left out before any of its heads is locked: the second version filtered it beside the
+    heads' FOR UPDATE SKIP LOCKED, which the planner ran first (with many channels), so x's
+    heads stayed locked, untaken, to the end of the transaction, and another consumer serving
+    x under its row took x2 and x3 before x1."""
+    now = queue.now()
+    queue.create_many(
+        [
+            NewMessage(f"{c}{i}".encode(), channel=c, dequeue_at=now - base + i)
+            for c, base in (("y", 40_000), ("z", 30_000), ("w", 20_000), ("x", 10_000))
+            for i in (1, 2, 3)
+        ]
+        + [NewMessage(b"f", channel=f"f{i:04d}", dequeue_at=now + 3_600_000) for i in range(3000)]
+    )
+    for i in range(6):
+        queue.channel(f"f{i:04d}").set_policy(max_concurrency=5)
+    admin = _session(dsn, queue.schema, autocommit=True)
+    admin.execute("ANALYZE channel")
+    admin.execute("ANALYZE message")
+    _pause_channel_key_of_x(admin, queue.schema)
+    holder = _session(dsn, queue.schema)
+    consumer = _session(dsn, queue.schema)
+    other = _session(dsn, queue.schema)
+    out: dict[str, list[str | None]] = {}
+    try:
+        holder.execute("SELECT FROM channel FOR UPDATE")
+        consumer.execute("SET lonnymq_test.pause = 'on'")
+        # y (first in turn) is ridden alone; then z, w and x together, pausing at x.
+        thread = threading.Thread(target=lambda: out.setdefault("rows", _dequeue(consumer, 8)))
+        thread.start()
+        _wait_for_the_pause(admin)
+        holder.rollback()
+        queue.channel("x").set_policy(max_concurrency=5)
+        thread.join()
+        assert out["rows"][:3] == ["y1", "y2", "y3"]
+        assert not any(m is not None and m.startswith("x") for m in out["rows"]), out
+        # The consumer has not committed; x1 was not locked, so the next consumer gets it.
+        got = [m for m in _dequeue(other, 10) if m is not None and m.startswith("x")]
+        assert got[:1] == ["x1"], got
+    finally:
+        for conn in (holder, consumer, other):
+            conn.rollback()
+            conn.close()
+        admin.close()

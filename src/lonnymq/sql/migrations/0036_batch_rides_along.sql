@@ -66,6 +66,7 @@ DECLARE
     v_rode BOOLEAN := FALSE;
     v_budget INTEGER;
     v_batch message[];
+    v_keep TEXT[] := ARRAY[]::TEXT[];
 BEGIN
     IF NOT coalesce(p_limit BETWEEN 1 AND 10000 AND p_lock_ms BETWEEN 1 AND 604800000, FALSE)
     THEN
@@ -207,30 +208,44 @@ BEGIN
             v_budget := p_limit - v_taken - v_reserved;
             IF v_ride_more AND v_rows_held AND v_rode AND v_budget >= 2 THEN
                 v_ride_more := FALSE;
-                v_ride := ARRAY(
-                    SELECT c.name FROM channel c
-                    WHERE c.next_dequeue_at IS NOT NULL
-                      -- (What channel_ready_ix holds: redundant with NOT has_policy.)
-                      AND (c.max_concurrency IS NULL
-                           OR c.current_concurrency < c.max_concurrency)
-                      AND c.next_dequeue_at <= v_now
-                      AND NOT c.has_policy
-                      AND c.name <> ALL (v_passed)
-                      AND c.name <> ALL (v_free)
-                    ORDER BY c.next_dequeue_at, c.turn
-                    LIMIT v_budget);
-                IF cardinality(v_ride) >= 2 THEN
+                IF cardinality(v_keep) >= 2 THEN
+                    -- The channels of the last round that gave their whole share (they may
+                    -- have more): already locked, so no new probes.
+                    v_ride := v_keep;
+                ELSE
                     v_ride := ARRAY(
-                        SELECT r.name FROM unnest(v_ride) WITH ORDINALITY AS r(name, ord)
-                        WHERE pg_try_advisory_xact_lock_shared(channel_key(r.name))
-                        ORDER BY r.ord);
-                    v_probes := v_probes + cardinality(v_ride);
+                        SELECT c.name FROM channel c
+                        WHERE c.next_dequeue_at IS NOT NULL
+                          -- (What channel_ready_ix holds: redundant with NOT has_policy.)
+                          AND (c.max_concurrency IS NULL
+                               OR c.current_concurrency < c.max_concurrency)
+                          AND c.next_dequeue_at <= v_now
+                          AND NOT c.has_policy
+                          AND c.name <> ALL (v_passed)
+                          AND c.name <> ALL (v_free)
+                        ORDER BY c.next_dequeue_at, c.turn
+                        LIMIT v_budget);
+                    IF cardinality(v_ride) >= 2 THEN
+                        v_ride := ARRAY(
+                            SELECT r.name FROM unnest(v_ride) WITH ORDINALITY AS r(name, ord)
+                            WHERE pg_try_advisory_xact_lock_shared(channel_key(r.name))
+                            ORDER BY r.ord);
+                        v_probes := v_probes + cardinality(v_ride);
+                        -- A statement of its own after the advisory locks, so that its snapshot
+                        -- sees any policy set before them: such a channel is left to the steps
+                        -- below, which serve it under its row. (Filtered here, not beside the
+                        -- heads' FOR UPDATE, which the planner may run first: heads locked,
+                        -- then left.)
+                        v_ride := ARRAY(
+                            SELECT r.name FROM unnest(v_ride) WITH ORDINALITY AS r(name, ord)
+                            WHERE NOT EXISTS (
+                                SELECT FROM channel p WHERE p.name = r.name AND p.has_policy)
+                            ORDER BY r.ord);
+                    END IF;
                 END IF;
                 IF cardinality(v_ride) >= 2 THEN
                     v_quota := v_budget / cardinality(v_ride);
                     v_extra := v_budget % cardinality(v_ride);
-                    -- A statement of its own after the advisory locks, so that its snapshot
-                    -- sees any policy set before them.
                     WITH picked AS (
                         SELECT h.id, f.ord, h.rn
                         FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
@@ -243,8 +258,6 @@ BEGIN
                                 ORDER BY m.dequeue_at, m.id
                                 LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
                                 FOR UPDATE SKIP LOCKED) x) h
-                        WHERE NOT EXISTS (
-                            SELECT FROM channel p WHERE p.name = f.name AND p.has_policy)
                     ), taken AS (
                         UPDATE message m SET
                             is_locked = TRUE,
@@ -264,15 +277,17 @@ BEGIN
                                b.dequeue_at, b.unlock_at, NULL::BIGINT
                         FROM unnest(v_batch) AS b;
                     v_taken := v_taken + cardinality(v_batch);
-                    -- (A channel given a policy meanwhile was left out, not drained: the
-                    -- steps below serve it under its row.)
                     v_passed := v_passed || ARRAY(
                         SELECT f.name FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
                         WHERE (SELECT count(*) FROM unnest(v_batch) AS b WHERE b.channel = f.name)
-                              < v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
-                          AND NOT EXISTS (
-                              SELECT FROM channel p WHERE p.name = f.name AND p.has_policy));
-                    IF cardinality(v_batch) > 0 THEN
+                              < v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END);
+                    v_keep := ARRAY(
+                        SELECT f.name FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
+                        WHERE f.name <> ALL (v_passed)
+                        ORDER BY f.ord);
+                    -- One channel left with more to give: the one-channel ride-along takes
+                    -- the rest from it.
+                    IF cardinality(v_batch) > 0 AND cardinality(v_keep) <> 1 THEN
                         v_ride_more := TRUE;
                         CONTINUE;
                     END IF;
