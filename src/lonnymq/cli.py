@@ -351,8 +351,10 @@ def _interrupt_on_termination() -> None:
     def on_hangup(signum: int, frame: object) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
-    signal.signal(signal.SIGTERM, on_term)
-    if hasattr(signal, "SIGHUP"):
+    # A signal the command was started with ignored (``nohup``) stays ignored.
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, on_term)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, on_hangup)
 
 
@@ -549,15 +551,20 @@ def _read_stdin(lines: queue.Queue[tuple[int, bytes] | BaseException | None]) ->
                 lines.put((number, _utf8(text, f"line {number} of standard input")))
             lines.put(None)
             return
-        pending = b""
+        pending = bytearray()
         with os.fdopen(fd, "rb", buffering=0) as raw:
             while chunk := raw.read(65536):
-                *complete, pending = (pending + chunk).split(b"\n")
-                for line in complete:
+                # Look for line ends in the new chunk only: a long line is read in linear time.
+                scan = len(pending)
+                pending += chunk
+                start = 0
+                while (end := pending.find(b"\n", scan)) >= 0:
                     number += 1
-                    lines.put((number, line))
+                    lines.put((number, bytes(pending[start:end])))
+                    start = scan = end + 1
+                del pending[:start]
         if pending:
-            lines.put((number + 1, pending))
+            lines.put((number + 1, bytes(pending)))
     except BaseException as err:  # handed to the main thread, which raises it
         lines.put(err)
         return
@@ -623,7 +630,12 @@ def _signals_deferred() -> Iterator[list[int]]:
             raise KeyboardInterrupt
         got.append(signum)
 
-    before = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A signal the command was started with ignored (a background job's SIGINT) stays so.
+    before = {
+        sig: signal.signal(sig, record)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
     try:
         yield got
     finally:
@@ -664,6 +676,7 @@ def _create(q: Queue, args: argparse.Namespace) -> int:
             if args.delay_ms is not None:
                 at = int(time.time() * 1000) + offset_ms + args.delay_ms
             in_flight = len(batch)
+            # Until the batch's results are out: a signal waits for them.
             with _signals_deferred() as signalled:
                 results = q.create_many(
                     NewMessage(c, channel=args.channel, dequeue_at=at, dedup_key=args.dedup_key)
@@ -673,12 +686,11 @@ def _create(q: Queue, args: argparse.Namespace) -> int:
                 in_flight = 0
                 for result in results:
                     counts[result.status] = counts.get(result.status, 0) + 1
+                    if args.json:
+                        print(json.dumps(asdict(result)))
+                progress.advance(len(batch))
             if signalled:
                 raise KeyboardInterrupt
-            if args.json:
-                for result in results:
-                    print(json.dumps(asdict(result)))
-            progress.advance(len(batch))
     except BaseException as err:
         # Each batch is its own transaction: say where a rerun should start.
         done = ", ".join(f"{n} {status}" for status, n in counts.items())

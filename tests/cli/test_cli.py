@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from lonnymq import NewMessage, Queue
+from lonnymq import NewMessage, Queue, cli
 from lonnymq.migrate import latest_version
 
 
@@ -418,6 +420,101 @@ def test_create_interrupted_says_exactly_how_many_were_committed(
             continue
         assert said is not None, err
         assert int(said[1].replace(b",", b"")) == held
+
+
+IGNORING_SIGINT = (
+    "-c",
+    "import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "from lonnymq.cli import main; sys.exit(main(sys.argv[1:]))",
+)
+
+
+def _signal_during_a_batch(
+    dsn: str, schema: str, sig: int, *args: str, ignore: bool = False
+) -> tuple[subprocess.Popen[bytes], bytes, bytes]:
+    """One line created, then two more whose create_many waits on a table lock while ``sig``
+    comes; the lock is then let go and the input ended."""
+    # A command started with ``sig`` ignored, when asked: as a shell starts a background job.
+    prefix = [*IGNORING_SIGINT] if ignore else ["-m", "lonnymq.cli"]
+    assert not ignore or sig == signal.SIGINT
+    proc = subprocess.Popen(
+        [sys.executable, *prefix, "--schema", schema, "create", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "LONNYMQ_DSN": dsn},
+    )
+    assert proc.stdin is not None
+    try:
+        with psycopg.connect(dsn) as locker:
+            proc.stdin.write(b"first\n")
+            proc.stdin.flush()
+            time.sleep(2)  # created
+            locker.execute(f'LOCK TABLE "{schema}".message IN ACCESS EXCLUSIVE MODE')
+            proc.stdin.write(b"x\ny\n")
+            proc.stdin.flush()
+            time.sleep(1.5)  # sent, waiting for the lock
+            proc.send_signal(sig)
+            time.sleep(0.3)
+            locker.rollback()
+        out, err = proc.communicate(b"z\n", timeout=60)
+    finally:
+        proc.kill()
+    return proc, out, err
+
+
+def test_json_prints_every_committed_message_when_a_signal_waits_for_the_batch(
+    dsn: str, schema_name: str
+) -> None:
+    """The batch in flight when SIGTERM came is committed, counted on stderr, and its results
+    printed (they were not: ``--json`` printed fewer ids than were committed)."""
+    assert _run_in(dsn, schema_name, "install").returncode == 0
+    proc, out, err = _signal_during_a_batch(dsn, schema_name, signal.SIGTERM, "--json")
+    assert proc.returncode == 130, err
+    said = re.search(rb"stopped after the first (\d+) messages", err)
+    assert said is not None, err
+    assert int(said[1]) == len(_contents(dsn, schema_name)) == 3
+    printed = [json.loads(line) for line in out.splitlines()]
+    assert len(printed) == 3, (out, err)
+
+
+def test_an_ignored_sigint_is_still_ignored_during_a_batch(dsn: str, schema_name: str) -> None:
+    """A command started with SIGINT ignored (a background job of a script, ``trap '' INT``)
+    keeps ignoring it while a batch is sent, as it does while it waits for input (a handler
+    that held signals back during the batch was installed over SIG_IGN)."""
+    assert _run_in(dsn, schema_name, "install").returncode == 0
+    proc, _, err = _signal_during_a_batch(dsn, schema_name, signal.SIGINT, ignore=True)
+    assert proc.returncode == 0, err
+    assert len(_contents(dsn, schema_name)) == 4
+
+
+def test_a_long_line_is_read_in_linear_time(monkeypatch: Any) -> None:
+    """A 32 MiB line (the payload limit is 64 MiB) is read in well under a second. Joining and
+    splitting all that was pending at every 64 KiB read took 12-19 s."""
+    size = 32 << 20
+    r, w = os.pipe()
+
+    def writer() -> None:
+        with os.fdopen(w, "wb") as f:
+            f.write(b"x" * size + b"\n")
+
+    threading.Thread(target=writer, daemon=True).start()
+    saved = os.dup(0)
+    os.dup2(r, 0)
+    os.close(r)
+    lines: queue.Queue[Any] = queue.Queue()
+    try:
+        with open(0, closefd=False) as stdin:
+            monkeypatch.setattr(sys, "stdin", stdin)  # pytest replaced it
+            started = time.monotonic()
+            cli._read_stdin(lines)
+            took = time.monotonic() - started
+    finally:
+        os.dup2(saved, 0)
+        os.close(saved)
+    number, line = lines.get_nowait()
+    assert (number, len(line)) == (1, size)
+    assert took < 3.0, f"a 32 MiB line took {took:.1f} s"
 
 
 def test_migrate_print_refuses_a_bad_schema_name(dsn: str) -> None:
