@@ -208,3 +208,30 @@ def test_async_worker_reuses_its_handler_threads(
     stats = asyncio.run(main())
     assert stats.completed == 200
     assert 1 <= len(setups) <= 4
+
+
+def test_a_plain_handler_raising_stopiteration_fails_its_message(
+    dsn: str, make_queue: Callable[..., Queue]
+) -> None:
+    """``next(iter([]))`` in a handler fails the message like any other exception. (A future
+    cannot hold StopIteration: the failure was lost, and the run hung with the message's lock
+    renewed by the heartbeats for ever.)"""
+    sync = make_queue()
+    sync.create(b"m")
+
+    def handler(message: AsyncMessage) -> None:
+        next(iter([]))
+
+    async def main() -> WorkerStats:
+        async with AsyncQueue(dsn, schema=sync.schema) as queue:
+            worker = AsyncWorker(queue, handler, max_attempts=1, idle_ms=20, grace_s=0.5)
+            task = asyncio.create_task(worker.run(handle_signals=False, until_idle=True))
+            done, _ = await asyncio.wait([task], timeout=5)
+            if not done:
+                worker.stop()
+                await task
+                raise AssertionError(f"the run never ended; {task.result()}")
+            return task.result()
+
+    stats = asyncio.run(main())
+    assert stats.failed == 1

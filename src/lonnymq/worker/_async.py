@@ -553,6 +553,11 @@ class _HandlerThreads:
             error: BaseException | None = None
             try:
                 result = call()
+            except StopIteration as err:
+                # A future cannot hold StopIteration (set_exception refuses it): the handler's
+                # failure would be lost and its slot hung.
+                error = RuntimeError(f"the handler raised StopIteration: {err!r}")
+                error.__cause__ = err
             except BaseException as err:  # handed to the awaiting task, as an executor would
                 error = err
             # The loop may be closed by now (the worker stopped without it).
