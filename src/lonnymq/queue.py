@@ -65,11 +65,13 @@ RECONNECT_GIVE_UP_S = 5.0
 """Seconds the pool retries one lost connection (1 s backoff, doubling) before giving up."""
 
 DEFAULT_POOL_TIMEOUT_S = 30.0
-# How many times a pooled operation that PostgreSQL rolled back for a concurrent transaction
-# (a deadlock, a serialization failure) is run again before TransactionConflictError.
-CONFLICT_RETRIES = 3
 """Seconds a call waits for a connection (the server down, or every pooled connection busy)
 before it raises ``DatabaseUnavailableError``; ``pool_timeout`` of a queue changes it."""
+
+CONFLICT_RETRIES = 3
+"""How many times an operation without ``conn=`` that PostgreSQL rolled back for a concurrent
+transaction (a deadlock, a serialization failure) is run again before it raises
+``TransactionConflictError``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -823,3 +823,29 @@ def test_a_server_that_never_answers_fails_after_the_connect_timeout(
         with pytest.raises(DatabaseUnavailableError, match=r"no answer within connect_timeout"):
             stats(f"host=127.0.0.1 port={port} dbname=x user=x")
         assert time.monotonic() - started < 60
+
+
+def test_spark_snapshot_gives_up_on_a_server_that_never_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """spark.snapshot() gets the connect timeout too (it connected with the bare string and
+    waited for ever)."""
+    from lonnymq import spark
+
+    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+    monkeypatch.delenv("PGSERVICE", raising=False)
+    outcome: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            with spark.snapshot(f"host=127.0.0.1 port={port} dbname=x user=x"):
+                pass
+        except BaseException as err:
+            outcome.append(err)
+
+    with _silent_server() as port:
+        thread = threading.Thread(target=take, daemon=True)
+        thread.start()
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "snapshot() still connecting after 20 s"
+    assert outcome
