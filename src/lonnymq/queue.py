@@ -322,7 +322,8 @@ class Queue:
     @property
     def dsn(self) -> str:
         """The connection string in use: the one given, with a ``connect_timeout`` of 10 s
-        added when it (or ``PGCONNECT_TIMEOUT``) sets none. With none given it is resolved when
+        added when neither it nor ``PGCONNECT_TIMEOUT`` sets one and it names no service
+        (``service=``, ``PGSERVICE``). With none given it is resolved when
         first needed: read before the first call, it starts the embedded server (if that is
         where it points) in this thread, blocking it while the server starts."""
         if self._dsn is None:
