@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -310,10 +310,13 @@ def test_create_from_stdin_says_how_many_were_created_before_a_bad_line(
     assert len(_contents(dsn, schema_name)) == len(created)
 
 
-def _create_process(dsn: str, schema: str, *args: str) -> subprocess.Popen[bytes]:
-    """``lonnymq create ARGS`` reading a pipe the test writes to."""
+def _create_process(
+    dsn: str, schema: str, *args: str, launcher: Sequence[str] = ("-m", "lonnymq.cli")
+) -> subprocess.Popen[bytes]:
+    """``lonnymq create ARGS`` reading a pipe the test writes to (``launcher``: how Python
+    starts the CLI)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "lonnymq.cli", "--schema", schema, "create", *args],
+        [sys.executable, *launcher, "--schema", schema, "create", *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -435,15 +438,9 @@ def _signal_during_a_batch(
     """One line created, then two more whose create_many waits on a table lock while ``sig``
     comes; the lock is then let go and the input ended."""
     # A command started with ``sig`` ignored, when asked: as a shell starts a background job.
-    prefix = [*IGNORING_SIGINT] if ignore else ["-m", "lonnymq.cli"]
     assert not ignore or sig == signal.SIGINT
-    proc = subprocess.Popen(
-        [sys.executable, *prefix, "--schema", schema, "create", *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env={**os.environ, "LONNYMQ_DSN": dsn},
-    )
+    launcher = IGNORING_SIGINT if ignore else ("-m", "lonnymq.cli")
+    proc = _create_process(dsn, schema, *args, launcher=launcher)
     assert proc.stdin is not None
     try:
         with psycopg.connect(dsn) as locker:
