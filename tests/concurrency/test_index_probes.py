@@ -35,7 +35,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import Queue
+from lonnymq import NewMessage, Queue
 
 N = 100_000
 # Plans are captured in two passes, each on a new connection (a fresh plan cache): the first
@@ -692,3 +692,89 @@ def test_every_function_probing_for_heads_plans_no_bitmap(
         ).fetchall()
         assert len(taken) == 1
         assert conn.execute("SHOW enable_bitmapscan").fetchone() == ("on",)
+
+
+# Functions that read or write `channel` or `message` but are not on a message's way through
+# the queue: reports, maintenance, administration and the Spark paths (set-based, planned for
+# their own sizes).
+NOT_KEYED = frozenset(
+    {
+        "archive_list",
+        "archive_replay",
+        "channel_stats",
+        "queue_verify",
+        "schedule_list",
+        "schedule_remove",
+        "schedule_set",
+        "secure_functions",
+    }
+)
+TABLE_USE = re.compile(r"\b(FROM|UPDATE|INTO|JOIN)\s+(channel|message)\b", re.IGNORECASE)
+
+
+def test_keyed_lookups_stay_index_probes_on_a_tiny_table(
+    make_queue: Any, admin: psycopg.Connection[Any], dsn: str
+) -> None:
+    """0037: a session plans each statement once, and on a `channel` table of one page a lookup
+    by name is planned as a sequential scan and kept as one while the table grows. Every
+    operation on a message's way through the queue, run again and again on one connection
+    (custom plans, then generic ones) while the tables hold a page each, reads `channel` and
+    `message` through their indexes only, and with JIT off (a statement left to a sequential
+    scan is costed past jit_above_cost); the settings are gone once each call returns."""
+    queue = make_queue()
+    rows = admin.execute(
+        "SELECT p.proname, p.proconfig, p.prosrc FROM pg_proc p"
+        " JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+        [queue.schema],
+    ).fetchall()
+    keyed = {
+        name
+        for name, _, source in rows
+        if TABLE_USE.search(re.sub(r"--[^\n]*", "", source or ""))
+        and name not in NOT_KEYED
+        and not name.startswith(("spark_", "role_"))
+    }
+    assert {"message_create", "message_finish_try", "channel_wake", "message_take_one"} <= keyed
+    off = {name for name, config, _ in rows if "enable_seqscan=off" in (config or [])}
+    assert keyed <= off, f"keyed lookups without enable_seqscan=off: {sorted(keyed - off)}"
+    # A statement left without an index (the one-row config) is costed past jit_above_cost.
+    no_jit = {name for name, config, _ in rows if "jit=off" in (config or [])}
+    assert off <= no_jit, f"enable_seqscan=off without jit=off: {sorted(off - no_jit)}"
+
+    queue.channel("limited").set_policy(max_concurrency=5, max_size=1_000)
+    with psycopg.connect(dsn) as conn:
+        for round_ in range(8):
+            for channel in ("free", "limited"):
+                queue.create(b"x", channel=channel, conn=conn)
+                queue.create(b"k", channel=channel, dedup_key=f"k{round_}", conn=conn)
+            queue.create_many(
+                [NewMessage(b"m", channel=c) for c in ("free", "limited", "other")], conn=conn
+            )
+            held = queue.dequeue_many(3, lock_ms=LOCK_MS, conn=conn)
+            assert held
+            queue.heartbeat_many(held, lock_ms=LOCK_MS, conn=conn)
+            held[0].heartbeat(lock_ms=LOCK_MS, conn=conn)
+            assert queue.message_status(held[0].id, conn=conn) is not None
+            queue.defer(held[0], conn=conn)
+            queue.defer_many(held[1:2], conn=conn)
+            queue.delete_many(held[2:], conn=conn)
+            one = queue.dequeue(lock_ms=LOCK_MS, conn=conn)
+            assert one is not None
+            more = queue.complete_and_dequeue([one], limit=2, lock_ms=LOCK_MS, conn=conn)
+            for message in more.messages:
+                message.delete(conn=conn)
+        scans = conn.execute(
+            "SELECT relname, seq_scan FROM pg_stat_xact_user_tables"
+            " WHERE schemaname = %s AND relname IN ('channel', 'message') ORDER BY relname",
+            [queue.schema],
+        ).fetchall()
+        assert scans == [("channel", 0), ("message", 0)]
+        assert conn.execute("SHOW enable_seqscan").fetchone() == ("on",)
+        assert conn.execute("SHOW jit").fetchone() == admin.execute("SHOW jit").fetchone()
+    # Small enough that the planner, left to itself, reads the channel table whole.
+    pages = admin.execute(
+        "SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int",
+        [f'"{queue.schema}".channel'],
+    ).fetchone()
+    assert pages is not None
+    assert pages[0] <= 2
