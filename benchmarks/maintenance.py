@@ -90,6 +90,7 @@ def main() -> None:
                 f"with {on:>9,.0f}  ({on / off:.2f}x)"
             )
     finally:
+        bench.close()
         drop_schemas(args.dsn, *BENCH_SCHEMAS)
 
 

@@ -57,6 +57,7 @@ def main() -> None:
     try:
         _rounds(bench, args.dsn, args.seconds, args.rounds)
     finally:
+        bench.close()
         drop_schemas(args.dsn, *BENCH_SCHEMAS)
 
 

@@ -269,6 +269,10 @@ class Bench:
             "r": sql.Identifier(RAW_SCHEMA).as_string(),
         }
 
+    def close(self) -> None:
+        """Remove the pgbench scripts' temporary directory."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
     # -- setup ---------------------------------------------------------------------------
 
     def _admin(self) -> psycopg.Connection[Any]:
@@ -726,6 +730,15 @@ def run_bench(
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     bench = Bench(dsn, chosen, out_dir, log, maintenance=maintenance)
+    try:
+        return _run_bench(bench, spark_only=spark_only)
+    finally:
+        bench.close()
+
+
+def _run_bench(bench: Bench, *, spark_only: bool) -> dict[str, Any]:
+    dsn, chosen, out_dir, log = bench.dsn, bench.profile, bench.out, bench.log
+    maintenance = bench.maintenance
     with psycopg.connect(dsn) as conn:
         version = conn.execute("SHOW server_version").fetchone()
     shape = (
@@ -791,5 +804,4 @@ def run_bench(
         for path in _plot(results, latency, out_dir):
             log(f"wrote {path}")
     log(f"wrote {out_dir / 'bench.json'} ({report['seconds']:.0f}s)")
-    shutil.rmtree(bench.tmp, ignore_errors=True)
     return report

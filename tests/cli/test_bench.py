@@ -6,11 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import psycopg
 import pytest
 
-from lonnymq.bench import spark_unavailable
+from lonnymq.bench import run_bench, spark_unavailable
 
 
 @pytest.mark.slow
@@ -58,3 +60,20 @@ def test_bench_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
         # At least messages / batch size micro-batches (more when a plan came up short).
         assert row["batches"] >= -(-row["messages"] // row["max_messages_per_batch"])
     assert "stream read" in result.stdout
+
+
+def test_bench_removes_its_scripts_when_a_run_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pgbench scripts' temporary directory goes even when the run stops on an error."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    with pytest.raises(psycopg.OperationalError):
+        run_bench(
+            "postgresql://postgres@127.0.0.1:1/db?connect_timeout=2",
+            profile="quick",
+            out=tmp_path / "out",
+            log=lambda _: None,
+        )
+    assert list(scratch.iterdir()) == []
