@@ -405,6 +405,23 @@ class Bench:
         # after the deadline, which a short run may be mostly made of.
         return (self._produced(kind) - self._remaining(kind)) / seconds
 
+    def row_run(self, kind: str, shape: str, batch: int, channels: int) -> float:
+        """One run of one row of the throughput table, from a fresh schema; messages per
+        second (``kind``: raw, lonnymq or lonnymq2)."""
+        self.reset()
+        before = 0
+        if shape == "drain":
+            # Enough not to run dry within the run: batches drain faster, the raw queue's
+            # most; lonnymq's batches over 100,000 channels drain slower (and filling that
+            # many channels is slow).
+            scale = 1
+            if batch > 1:
+                scale = 10 if kind == "raw" else (4 if channels < 1000 else 1)
+            before = self.profile.prefill * scale
+            self.prefill("raw" if kind == "raw" else "lonnymq", before, channels)
+        with self._maintained(kind):
+            return self._run(kind, shape, batch, channels, before)
+
     def throughput(self) -> list[Result]:
         results: list[Result] = []
         variants = [("raw", 1)] + [("lonnymq", n) for n in self.profile.channel_counts]
@@ -419,20 +436,7 @@ class Bench:
                     }[kind]
                     result = Result(shape=shape, queue=label, batch=batch)
                     for _ in range(self.profile.repeats):
-                        self.reset()
-                        before = 0
-                        if shape == "drain":
-                            # Enough not to run dry within the run: batches drain faster,
-                            # the raw queue's most; lonnymq's batches over 100,000 channels
-                            # drain slower (and filling that many channels is slow).
-                            scale = 1
-                            if batch > 1:
-                                scale = 10 if kind == "raw" else (4 if channels < 1000 else 1)
-                            before = self.profile.prefill * scale
-                            self.prefill("raw" if kind == "raw" else "lonnymq", before, channels)
-                        with self._maintained(kind):
-                            rate = self._run(kind, shape, batch, channels, before)
-                        result.msgs_per_s.append(rate)
+                        result.msgs_per_s.append(self.row_run(kind, shape, batch, channels))
                     self.log(
                         f"  {shape:<8} batch {batch:<3} {label:<22} {result.median:>10,.0f} msg/s"
                     )

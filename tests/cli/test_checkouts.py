@@ -57,3 +57,54 @@ def test_checkouts_refuses_a_tree_that_is_no_checkout(dsn: str, tmp_path: Path) 
     )
     assert result.returncode == 2
     assert "is no lonnymq checkout" in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_rows_compares_two_trees_and_drops_the_bench_schemas(dsn: str) -> None:
+    result = subprocess.run(
+        [
+            sys.executable, str(ROOT / "benchmarks" / "bench_rows.py"), str(ROOT), str(ROOT),
+            "--dsn", dsn, "--shape", "steady", "--channels", "10", "--rounds", "2",
+            "--seconds", "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    medians = re.findall(r"^[ab] .*: median ([\d,]+) msg/s \(([\d, ]+)\)$", result.stdout, re.M)
+    assert len(medians) == 2, result.stdout
+    for median, runs in medians:
+        assert int(median.replace(",", "")) > 0
+        assert len(runs.split(", ")) == 2
+    assert re.search(r"^b / a: \d+\.\d{3}$", result.stdout, re.M), result.stdout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname IN ('lonnymq_bench', "
+            "'lonnymq_bench_raw')"
+        ).fetchone()
+    assert left == (0,)
+
+
+def test_plan_growth_times_both_trees_and_drops_its_schemas(dsn: str) -> None:
+    result = subprocess.run(
+        [
+            sys.executable, str(ROOT / "benchmarks" / "plan_growth.py"), str(ROOT), str(ROOT),
+            "--dsn", dsn, "--channels", "500", "--creates", "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    pattern = r"^[ab] .*: (\d+\.\d{3}) ms per create after the growth$"
+    times = re.findall(pattern, result.stdout, re.M)
+    assert len(times) == 2, result.stdout
+    assert all(float(t) > 0 for t in times)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'growth\\_%'"
+        ).fetchone()
+    assert left == (0,)
