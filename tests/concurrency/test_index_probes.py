@@ -694,22 +694,24 @@ def test_every_function_probing_for_heads_plans_no_bitmap(
         assert conn.execute("SHOW enable_bitmapscan").fetchone() == ("on",)
 
 
-# Functions that read or write `channel` or `message` but are not on a message's way through
-# the queue: reports, maintenance, administration and the Spark paths (set-based, planned for
-# their own sizes).
-NOT_KEYED = frozenset(
-    {
-        "archive_list",
-        "archive_replay",
-        "channel_stats",
-        "queue_verify",
-        "schedule_list",
-        "schedule_remove",
-        "schedule_set",
-        "secure_functions",
-    }
-)
-TABLE_USE = re.compile(r"\b(FROM|UPDATE|INTO|JOIN)\s+(channel|message)\b", re.IGNORECASE)
+# Every function of the schema runs with enable_seqscan off (0037) but these, each for its
+# reason. A new function fails the test below until it is given the setting or a place here.
+SEQSCAN_ALLOWED = {
+    # No table of their own: checks, wrappers of functions that have the setting, arithmetic.
+    "arg_check", "arg_check_channel", "arg_check_claim", "arg_check_dedup_key",
+    "arg_check_lock_ms", "arg_check_payload", "arg_check_time", "channel_key",
+    "channel_servable_at", "message_check_new", "message_complete_and_dequeue", "message_defer",
+    "message_delete", "message_dequeue", "message_dequeue_many", "message_finish",
+    "message_requeue", "schedule_check_name",
+    # The one-row config (epoch and event_publish run with jit off), the migration table.
+    "epoch", "event_publish", "channel_announce", "config_get", "config_set", "clock_offset_set",
+    "maintenance_due", "schema_version",
+    # Reports, administration and repair: the planner's choice, for the sizes they read.
+    "archive_list", "archive_replay", "channel_stats", "queue_verify", "schedule_list",
+    "schedule_remove", "schedule_set", "secure_functions",
+}  # fmt: skip
+# Set-based paths planned for their own sizes (Spark), and role administration.
+SEQSCAN_ALLOWED_PREFIXES = ("spark_", "role_")
 
 
 def test_keyed_lookups_stay_index_probes_on_a_tiny_table(
@@ -717,31 +719,38 @@ def test_keyed_lookups_stay_index_probes_on_a_tiny_table(
 ) -> None:
     """0037: a session plans each statement once, and on a `channel` table of one page a lookup
     by name is planned as a sequential scan and kept as one while the table grows. Every
-    operation on a message's way through the queue, run again and again on one connection
-    (custom plans, then generic ones) while the tables hold a page each, reads `channel` and
-    `message` through their indexes only, and with JIT off (a statement left to a sequential
-    scan is costed past jit_above_cost); the settings are gone once each call returns."""
+    function of a message's way through the queue runs with sequential scans and JIT off (a
+    statement left to a sequential scan is costed past jit_above_cost), and every operation,
+    run again and again on one connection (custom plans, then generic ones) while the tables
+    are known (vacuumed) to hold a page each, reads `channel` and `message` through their
+    indexes only; the settings are gone once each call returns."""
     queue = make_queue()
     rows = admin.execute(
-        "SELECT p.proname, p.proconfig, p.prosrc FROM pg_proc p"
+        "SELECT p.proname, p.proconfig FROM pg_proc p"
         " JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
         [queue.schema],
     ).fetchall()
-    keyed = {
+    names = {name for name, _ in rows}
+    assert names >= SEQSCAN_ALLOWED, f"no such function: {sorted(SEQSCAN_ALLOWED - names)}"
+    off = {name for name, config in rows if "enable_seqscan=off" in (config or [])}
+    missing = {
         name
-        for name, _, source in rows
-        if TABLE_USE.search(re.sub(r"--[^\n]*", "", source or ""))
-        and name not in NOT_KEYED
-        and not name.startswith(("spark_", "role_"))
+        for name in names - off - SEQSCAN_ALLOWED
+        if not name.startswith(SEQSCAN_ALLOWED_PREFIXES)
     }
-    assert {"message_create", "message_finish_try", "channel_wake", "message_take_one"} <= keyed
-    off = {name for name, config, _ in rows if "enable_seqscan=off" in (config or [])}
-    assert keyed <= off, f"keyed lookups without enable_seqscan=off: {sorted(keyed - off)}"
-    # A statement left without an index (the one-row config) is costed past jit_above_cost.
-    no_jit = {name for name, config, _ in rows if "jit=off" in (config or [])}
-    assert off <= no_jit, f"enable_seqscan=off without jit=off: {sorted(off - no_jit)}"
+    assert not missing, f"without enable_seqscan=off: {sorted(missing)}"
+    assert {"message_create", "message_finish_try", "channel_wake", "message_take_one"} <= off
+    no_jit = {name for name, config in rows if "jit=off" in (config or [])}
+    assert off | {"epoch", "event_publish"} <= no_jit, sorted(off - no_jit)
 
     queue.channel("limited").set_policy(max_concurrency=5, max_size=1_000)
+    queue.create(b"seed", channel="seed")
+    for table in ("channel", "message"):
+        # Known small to the planner (never vacuumed, a table counts as 10 pages), and kept
+        # so while the test runs (the embedded server runs autovacuum).
+        relation = sql.Identifier(queue.schema, table)
+        admin.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = off)").format(relation))
+        admin.execute(sql.SQL("VACUUM ANALYZE {}").format(relation))
     with psycopg.connect(dsn) as conn:
         for round_ in range(8):
             for channel in ("free", "limited"):
