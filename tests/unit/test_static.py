@@ -180,6 +180,15 @@ def test_all_names_exist(module: Any) -> None:
         assert hasattr(module, name), f"{module.__name__}.__all__ names missing {name}"
 
 
+def test_the_readme_shows_every_public_name_and_queue_method() -> None:
+    """The README shows the public API: each exported name, and each public method of the
+    queue (the async queue has the same ones)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    names = set(lonnymq.__all__) | {m for m in dir(Queue) if not m.startswith("_")}
+    missing = sorted(n for n in names if not re.search(rf"\b{re.escape(n)}\b", readme))
+    assert not missing, f"not in the README: {missing}"
+
+
 # -- the error tree ----------------------------------------------------------------------
 
 REFUSALS: dict[str, type[errors.LonnyMQError]] = {
