@@ -53,6 +53,8 @@ def convert(source: str) -> str:
     # ``await asyncio.to_thread(f, a)`` becomes ``f(a)``, ``await asyncio.to_thread(f)`` ``f()``.
     text = re.sub(r"await asyncio\.to_thread\(([\w.]+)\)", r"\1()", source)
     text = re.sub(r"await asyncio\.to_thread\(([\w.]+), ", r"\1(", text)
+    # A helper with a sync twin: ``await _core.f_async(a)`` becomes ``_core.f(a)``.
+    text = re.sub(r"await _core\.(\w+)_async\(", r"_core.\1(", text)
     for old, new in WORDS:
         text = re.sub(rf"\b{re.escape(old)}\b", new, text)
     for old, new in PHRASES:

@@ -3,10 +3,12 @@ statements, and turning rows into results."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import random
 import re
+import time
 from collections.abc import Iterable, Sequence
 from functools import cache
 from importlib import resources
@@ -283,6 +285,16 @@ def conflict_backoff_s(attempt: int) -> float:
     transaction, after ``attempt`` (0, 1, ...) earlier runs: growing, and jittered so that two
     victims of one conflict do not meet again."""
     return 0.01 * 2.0**attempt * random.uniform(0.5, 1.5)
+
+
+def conflict_pause(attempt: int) -> None:
+    """Wait :func:`conflict_backoff_s` seconds (the sync API)."""
+    time.sleep(conflict_backoff_s(attempt))
+
+
+async def conflict_pause_async(attempt: int) -> None:
+    """Wait :func:`conflict_backoff_s` seconds without holding a thread (the asyncio API)."""
+    await asyncio.sleep(conflict_backoff_s(attempt))
 
 
 def check_pool_timeout(value: object) -> float:

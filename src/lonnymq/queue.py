@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from time import monotonic, perf_counter, sleep
+from time import monotonic, perf_counter
 from types import TracebackType
 from typing import Any, Self
 
@@ -465,7 +465,7 @@ class Queue:
                         # concurrent creates, finishes and a policy change, say).
                         if attempt == CONFLICT_RETRIES:
                             raise
-                        sleep(_core.conflict_backoff_s(attempt))
+                        _core.conflict_pause(attempt)
             ok = True
             return rows
         except psycopg.Error as err:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from time import monotonic, perf_counter, sleep
+from time import monotonic, perf_counter
 from types import TracebackType
 from typing import Any, Self
 
@@ -466,7 +466,7 @@ class AsyncQueue:
                         # concurrent creates, finishes and a policy change, say).
                         if attempt == CONFLICT_RETRIES:
                             raise
-                        await asyncio.to_thread(sleep, _core.conflict_backoff_s(attempt))
+                        await _core.conflict_pause_async(attempt)
             ok = True
             return rows
         except psycopg.Error as err:

@@ -10,9 +10,11 @@ exclusive one, and two of them wait for each other.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import Queue, TransactionConflictError
+from lonnymq import AsyncQueue, Queue, TransactionConflictError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from lock_helpers import in_thread, wait_until_blocked
@@ -132,3 +134,43 @@ def test_a_pooled_operation_rolled_back_by_a_deadlock_runs_again(
     assert stats is not None
     assert (stats.size, stats.policy.max_size) == (1, 7)
     assert queue.verify() == []
+
+
+def test_an_async_pooled_operation_rolled_back_by_a_deadlock_runs_again(
+    dsn: str, queue: Queue, admin: psycopg.Connection[Any]
+) -> None:
+    """The same through AsyncQueue, whose pause between the runs is an asyncio sleep: no
+    thread of the loop's default executor is taken (one that refuses work fails the test)."""
+    queue.create(b"m", channel="a")
+
+    class NoThreads(ThreadPoolExecutor):
+        def submit(self, *args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("a thread of the default executor was asked for")
+
+    async def set_policy() -> None:
+        asyncio.get_running_loop().set_default_executor(NoThreads())
+        async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+            await aqueue.channel("a").set_policy(max_size=7)
+
+    with psycopg.connect(dsn) as holder:
+        holder.execute(
+            sql.SQL("SELECT FROM {}.channel WHERE name = 'a' FOR UPDATE").format(
+                sql.Identifier(queue.schema)
+            )
+        )
+        thread, out = in_thread(lambda: asyncio.run(set_policy()))
+        _wait_for_a_waiting_policy_set(admin)
+        time.sleep(0.2)  # it waits first, so its deadlock check runs first
+        holder.execute(
+            sql.SQL("SELECT pg_advisory_xact_lock_shared({}.channel_key('a'))").format(
+                sql.Identifier(queue.schema)
+            )
+        )
+        _wait_for_a_waiting_policy_set(admin)
+        assert thread.is_alive()
+        holder.commit()
+        thread.join(timeout=60)
+    assert out == [None]
+    stats = queue.channel("a").stats()
+    assert stats is not None
+    assert (stats.size, stats.policy.max_size) == (1, 7)
