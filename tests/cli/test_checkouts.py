@@ -17,6 +17,25 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "checkouts.py"
 
 
+def _assert_two_medians_and_a_ratio(stdout: str, rounds: int) -> None:
+    """Both checkouts' medians, each of ``rounds`` positive runs, and their ratio."""
+    medians = re.findall(r"^[ab] .*: median ([\d,]+) msg/s \(([\d, ]+)\)$", stdout, re.M)
+    assert len(medians) == 2, stdout
+    for median, runs in medians:
+        assert int(median.replace(",", "")) > 0
+        assert len(runs.split(", ")) == rounds
+    assert re.search(r"^b / a: \d+\.\d{3}$", stdout, re.M), stdout
+
+
+def _schemas_left(dsn: str, pattern: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname LIKE %s", (pattern,)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", ["drain", "steady"])
 def test_checkouts_compares_two_trees_and_drops_its_schemas(dsn: str, shape: str) -> None:
@@ -34,17 +53,8 @@ def test_checkouts_compares_two_trees_and_drops_its_schemas(dsn: str, shape: str
         check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    medians = re.findall(r"^[ab] .*: median ([\d,]+) msg/s \(([\d, ]+)\)$", result.stdout, re.M)
-    assert len(medians) == 2, result.stdout
-    for median, runs in medians:
-        assert int(median.replace(",", "")) > 0
-        assert len(runs.split(", ")) == 2
-    assert re.search(r"^b / a: \d+\.\d{3}$", result.stdout, re.M), result.stdout
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        left = conn.execute(
-            "SELECT count(*) FROM pg_namespace WHERE nspname LIKE %s", (f"{prefix}%",)
-        ).fetchone()
-    assert left == (0,)
+    _assert_two_medians_and_a_ratio(result.stdout, rounds=2)
+    assert _schemas_left(dsn, f"{prefix}%") == 0
 
 
 def test_checkouts_refuses_a_tree_that_is_no_checkout(dsn: str, tmp_path: Path) -> None:
@@ -73,18 +83,8 @@ def test_bench_rows_compares_two_trees_and_drops_the_bench_schemas(dsn: str) -> 
         check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    medians = re.findall(r"^[ab] .*: median ([\d,]+) msg/s \(([\d, ]+)\)$", result.stdout, re.M)
-    assert len(medians) == 2, result.stdout
-    for median, runs in medians:
-        assert int(median.replace(",", "")) > 0
-        assert len(runs.split(", ")) == 2
-    assert re.search(r"^b / a: \d+\.\d{3}$", result.stdout, re.M), result.stdout
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        left = conn.execute(
-            "SELECT count(*) FROM pg_namespace WHERE nspname IN ('lonnymq_bench', "
-            "'lonnymq_bench_raw')"
-        ).fetchone()
-    assert left == (0,)
+    _assert_two_medians_and_a_ratio(result.stdout, rounds=2)
+    assert _schemas_left(dsn, "lonnymq\\_bench%") == 0
 
 
 def test_plan_growth_times_both_trees_and_drops_its_schemas(dsn: str) -> None:
@@ -103,8 +103,4 @@ def test_plan_growth_times_both_trees_and_drops_its_schemas(dsn: str) -> None:
     times = re.findall(pattern, result.stdout, re.M)
     assert len(times) == 2, result.stdout
     assert all(float(t) > 0 for t in times)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        left = conn.execute(
-            "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'growth\\_%'"
-        ).fetchone()
-    assert left == (0,)
+    assert _schemas_left(dsn, "growth\\_%") == 0

@@ -102,13 +102,12 @@ def _wait_for_a_waiting_policy_set(admin: psycopg.Connection[Any]) -> None:
         time.sleep(0.01)
 
 
-def test_a_pooled_operation_rolled_back_by_a_deadlock_runs_again(
-    dsn: str, queue: Queue, admin: psycopg.Connection[Any]
+def _a_deadlocked_policy_set_runs_again(
+    dsn: str, queue: Queue, admin: psycopg.Connection[Any], set_policy: Callable[[], object]
 ) -> None:
-    """A pooled set_policy (its own transaction) meets a transaction that holds the channel's
-    row and then asks for the channel's lock: PostgreSQL rolls back the one that waited first,
-    the set_policy. Nothing of it was kept, so the queue runs it again (it raised
-    TransactionConflictError before), and it completes once the other transaction ends."""
+    """``set_policy`` (a pooled max_size=7 on channel a, in a thread) meets a transaction that
+    holds the channel's row and then asks for the channel's lock: PostgreSQL rolls back the one
+    that waited first, the set_policy. It runs again, and completes once the other ends."""
     queue.create(b"m", channel="a")
     with psycopg.connect(dsn) as holder:
         holder.execute(
@@ -116,7 +115,7 @@ def test_a_pooled_operation_rolled_back_by_a_deadlock_runs_again(
                 sql.Identifier(queue.schema)
             )
         )
-        thread, out = in_thread(lambda: queue.channel("a").set_policy(max_size=7))
+        thread, out = in_thread(set_policy)
         _wait_for_a_waiting_policy_set(admin)
         time.sleep(0.2)  # it waits first, so its deadlock check runs first
         holder.execute(
@@ -136,12 +135,21 @@ def test_a_pooled_operation_rolled_back_by_a_deadlock_runs_again(
     assert queue.verify() == []
 
 
+def test_a_pooled_operation_rolled_back_by_a_deadlock_runs_again(
+    dsn: str, queue: Queue, admin: psycopg.Connection[Any]
+) -> None:
+    """Nothing of the rolled-back set_policy was kept (its own transaction), so the queue runs
+    it again (it raised TransactionConflictError before)."""
+    _a_deadlocked_policy_set_runs_again(
+        dsn, queue, admin, lambda: queue.channel("a").set_policy(max_size=7)
+    )
+
+
 def test_an_async_pooled_operation_rolled_back_by_a_deadlock_runs_again(
     dsn: str, queue: Queue, admin: psycopg.Connection[Any]
 ) -> None:
     """The same through AsyncQueue, whose pause between the runs is an asyncio sleep: no
     thread of the loop's default executor is taken (one that refuses work fails the test)."""
-    queue.create(b"m", channel="a")
 
     class NoThreads(ThreadPoolExecutor):
         def submit(self, *args: Any, **kwargs: Any) -> Any:
@@ -152,25 +160,4 @@ def test_an_async_pooled_operation_rolled_back_by_a_deadlock_runs_again(
         async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
             await aqueue.channel("a").set_policy(max_size=7)
 
-    with psycopg.connect(dsn) as holder:
-        holder.execute(
-            sql.SQL("SELECT FROM {}.channel WHERE name = 'a' FOR UPDATE").format(
-                sql.Identifier(queue.schema)
-            )
-        )
-        thread, out = in_thread(lambda: asyncio.run(set_policy()))
-        _wait_for_a_waiting_policy_set(admin)
-        time.sleep(0.2)  # it waits first, so its deadlock check runs first
-        holder.execute(
-            sql.SQL("SELECT pg_advisory_xact_lock_shared({}.channel_key('a'))").format(
-                sql.Identifier(queue.schema)
-            )
-        )
-        _wait_for_a_waiting_policy_set(admin)
-        assert thread.is_alive()
-        holder.commit()
-        thread.join(timeout=60)
-    assert out == [None]
-    stats = queue.channel("a").stats()
-    assert stats is not None
-    assert (stats.size, stats.policy.max_size) == (1, 7)
+    _a_deadlocked_policy_set_runs_again(dsn, queue, admin, lambda: asyncio.run(set_policy()))

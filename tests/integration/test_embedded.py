@@ -196,6 +196,22 @@ FAIL = textwrap.dedent(
 )
 
 
+def _fails_once_saying(data: Path, why: str) -> None:
+    """Starting the server of ``data`` raises EmbeddedServerError whose message says ``why``,
+    and nothing else prints it."""
+    done = subprocess.run(
+        [sys.executable, "-c", FAIL, str(data)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("raised: could not start the embedded PostgreSQL in ")
+    assert why in done.stdout
+    assert why not in done.stderr, done.stderr
+
+
 @pytest.mark.own_server
 def test_a_server_that_cannot_start_is_one_error_ending_with_its_log(tmp_path: Path) -> None:
     """The error says why (the end of the server's log); the server's whole log is not also
@@ -204,17 +220,7 @@ def test_a_server_that_cannot_start_is_one_error_ending_with_its_log(tmp_path: P
     _use_and_exit(data)
     with (data / "postgresql.conf").open("a") as conf:
         conf.write("\nshared_buffers = 'plenty'\n")
-    done = subprocess.run(
-        [sys.executable, "-c", FAIL, str(data)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("raised: could not start the embedded PostgreSQL in ")
-    assert '"shared_buffers": "plenty"' in done.stdout
-    assert "shared_buffers" not in done.stderr, done.stderr
+    _fails_once_saying(data, '"shared_buffers": "plenty"')
 
 
 def test_a_data_dir_initdb_refuses_is_one_error_saying_why(tmp_path: Path) -> None:
@@ -222,14 +228,4 @@ def test_a_data_dir_initdb_refuses_is_one_error_saying_why(tmp_path: Path) -> No
     data = tmp_path / "data"
     data.mkdir()
     (data / "stray").write_text("not a database")
-    done = subprocess.run(
-        [sys.executable, "-c", FAIL, str(data)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("raised: could not start the embedded PostgreSQL in ")
-    assert "exists but is not empty" in done.stdout
-    assert "exists but is not empty" not in done.stderr, done.stderr
+    _fails_once_saying(data, "exists but is not empty")
