@@ -37,7 +37,8 @@ try:
     if hasattr(bench, "row_run"):
         print(bench.row_run("lonnymq", shape, int(batch), int(channels)))
     else:
-        # A checkout from before row_run: the same steps, as its throughput() ran them.
+        # A checkout from before row_run: the same steps as its throughput() ran them since
+        # 859fc1d (older checkouts set up differently, or lack _maintained).
         bench.reset()
         before = 0
         if shape == "drain":

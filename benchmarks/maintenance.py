@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -91,6 +92,7 @@ def main() -> None:
             )
     finally:
         bench.close()
+        shutil.rmtree(out, ignore_errors=True)
         drop_schemas(args.dsn, *BENCH_SCHEMAS)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -52,12 +53,14 @@ def main() -> None:
     if not args.dsn:
         parser.error("--dsn (or LONNYMQ_DSN) is required")
     profile = dataclasses.replace(PROFILES["default"], seconds=args.seconds)
-    bench = Bench(args.dsn, profile, Path(tempfile.mkdtemp()), print, maintenance=False)
+    out = Path(tempfile.mkdtemp(prefix="lonnymq-wal-"))
+    bench = Bench(args.dsn, profile, out, print, maintenance=False)
     print(f"steady shapes, 8 clients per side, {args.seconds} s per run, no maintenance:")
     try:
         _rounds(bench, args.dsn, args.seconds, args.rounds)
     finally:
         bench.close()
+        shutil.rmtree(out, ignore_errors=True)
         drop_schemas(args.dsn, *BENCH_SCHEMAS)
 
 

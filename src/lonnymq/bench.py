@@ -738,6 +738,8 @@ def run_bench(
         return _run_bench(bench, spark_only=spark_only)
     finally:
         bench.close()
+        if not spark_only:
+            drop_schemas(dsn, *BENCH_SCHEMAS)
 
 
 def _run_bench(bench: Bench, *, spark_only: bool) -> dict[str, Any]:
@@ -798,7 +800,6 @@ def _run_bench(bench: Bench, *, spark_only: bool) -> dict[str, Any]:
     report["spark"] = spark
     report["section_seconds"] = sections
     if not spark_only:
-        drop_schemas(dsn, *BENCH_SCHEMAS)
         log("\n" + _table(results))
     if "write" in spark:
         log("\n" + _spark_table(spark))

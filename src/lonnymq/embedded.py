@@ -118,24 +118,29 @@ def _start(path: Path) -> Any:
     except Exception as err:
         log = path / "log"
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-        if not tail.strip() and quiet.held:
-            tail = quiet.held[-1][-2000:]
+        # A failed command's own output (initdb's, or pg_ctl's when it could not even write
+        # the log), then the end of the server's log (what the library's other errors show).
+        said = [held[-1500:] for held in quiet.held if held.startswith("Failed postgres command")]
         raise EmbeddedServerError(
-            f"could not start the embedded PostgreSQL in {path}: {err}\n{tail}".rstrip()
+            "\n".join(
+                [f"could not start the embedded PostgreSQL in {path}: {err}", *said, tail]
+            ).rstrip()
         ) from err
     finally:
         library_log.removeFilter(quiet)
 
 
 class _HoldErrors(logging.Filter):
-    """Lets records below ERROR through and keeps the messages of the others in ``held``."""
+    """Keeps back the ERROR records this thread logs (their messages go to ``held``) and lets
+    everything else through."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.thread = threading.get_ident()
         self.held: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
+        if record.levelno < logging.ERROR or record.thread != self.thread:
             return True
         self.held.append(record.getMessage())
         return False

