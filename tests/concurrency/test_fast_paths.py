@@ -312,11 +312,12 @@ def _hold_channel_rows(session: Conn, schema: str, *names: str) -> None:
     )
 
 
-def test_a_batch_rides_along_on_busy_channels_in_turn(dsn: str, queue: Queue) -> None:
+@pytest.mark.parametrize("plans", ["custom", "generic"])
+def test_a_batch_rides_along_on_busy_channels_in_turn(dsn: str, queue: Queue, plans: str) -> None:
     """Every due channel's row is held by another session: a batch takes what the first busy
     channel has, then the other channels' heads round robin (b1, c1, b2, ...), as it does from
     channels whose rows it locks. Before 0036 it took all it could from one busy channel after
-    another (b1, b2, ... then c1, ...)."""
+    another (b1, b2, ... then c1, ...). The same with the generic plans a session caches."""
     now = queue.now()
     # "a" first in turn, then "b", then "c".
     offsets = {"a": 3_000, "b": 2_000, "c": 1_000}
@@ -327,11 +328,12 @@ def test_a_batch_rides_along_on_busy_channels_in_turn(dsn: str, queue: Queue) ->
             for i in range(1, 4)
         ]
     )
-    with _session(dsn) as holder:
+    with _session(dsn) as holder, psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"SET plan_cache_mode = force_{plans}_plan")
         _hold_channel_rows(holder, queue.schema, "a", "b", "c")
-        taken = queue.dequeue_many(5, lock_ms=LOCK_MS)
+        taken = queue.dequeue_many(5, lock_ms=LOCK_MS, conn=conn)
         assert [m.content for m in taken] == [b"a1", b"a2", b"a3", b"b1", b"c1"]
-        rest = queue.dequeue_many(10, lock_ms=LOCK_MS)
+        rest = queue.dequeue_many(10, lock_ms=LOCK_MS, conn=conn)
         assert sorted(m.content for m in rest) == [b"b2", b"b3", b"c2", b"c3"]
         holder.rollback()
     assert queue.verify() == []

@@ -346,9 +346,22 @@ def _sorts_a_cte(node: dict[str, Any]) -> bool:
     return any(n["Node Type"] == "CTE Scan" for n in _nodes(node, subplans=False))
 
 
+def _reprobes_an_array(node: dict[str, Any]) -> bool:
+    """A join whose inner side probes a table for every id of an array (``= ANY``) once per
+    outer row, filtering the pairs after: n * n index entries for n ids (0038)."""
+    if node["Node Type"] != "Nested Loop" or len(node.get("Plans", ())) != 2:
+        return False
+    inner = node["Plans"][1]
+    return (
+        inner.get("Relation Name") in TABLES
+        and "ANY (" in inner.get("Index Cond", "")
+        and "Join Filter" in node
+    )
+
+
 def _problems(plan: Plan, *, tolerated: frozenset[str] = frozenset()) -> list[str]:
     """What is wrong with one plan: a statement that is no known step, a full scan or a sort,
-    or a step probing the wrong index.
+    a step probing the wrong index, or a join probing an array's ids once per row.
 
     A Seq Scan of a table in ``tolerated`` (and a Sort of only its rows) is let through: the
     planner rightly reads a table of a page or two rather than probe its index. So is a Sort
@@ -367,6 +380,8 @@ def _problems(plan: Plan, *, tolerated: frozenset[str] = frozenset()) -> list[st
         kind = node["Node Type"]
         relation = node.get("Relation Name")
         below = {n["Relation Name"] for n in _nodes(node, subplans=False) if "Relation Name" in n}
+        if _reprobes_an_array(node):
+            problems.append(f"{kind} probing {', '.join(sorted(below))} for a whole array per row")
         if kind in SORT_NODES and not below and _sorts_a_cte(node):
             continue
         if kind in BAD_NODES and not (below and below <= tolerated):

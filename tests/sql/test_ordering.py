@@ -175,9 +175,14 @@ def test_round_robin_across_channels(queue: Queue) -> None:
     assert order == [b"a0", b"b0", b"c0", b"a1", b"b1", b"c1", b"a2", b"b2", b"c2"]
 
 
-def test_round_robin_within_one_dequeue_many_batch(queue: Queue) -> None:
+@pytest.mark.parametrize("plans", ["custom", "generic"])
+def test_round_robin_within_one_dequeue_many_batch(queue: Queue, dsn: str, plans: str) -> None:
+    """Also with the generic plans a session caches after five calls (0038 takes the heads
+    by id and puts them back in turn by their places)."""
     _round_robin_fixture(queue)
-    batch = queue.dequeue_many(9, lock_ms=LOCK_MS)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"SET plan_cache_mode = force_{plans}_plan")
+        batch = queue.dequeue_many(9, lock_ms=LOCK_MS, conn=conn)
     assert [m.content for m in batch] == [
         b"a0",
         b"b0",
