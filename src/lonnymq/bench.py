@@ -412,11 +412,11 @@ class Bench:
         before = 0
         if shape == "drain":
             # Enough not to run dry within the run: batches drain faster, the raw queue's
-            # most; lonnymq's batches over 100,000 channels drain slower (and filling that
-            # many channels is slow).
+            # most; lonnymq's batches over 100,000 channels a little slower (and filling that
+            # many channels is slow): two messages a channel there (one ran dry at 0038).
             scale = 1
             if batch > 1:
-                scale = 10 if kind == "raw" else (4 if channels < 1000 else 1)
+                scale = 10 if kind == "raw" else (4 if channels < 1000 else 2)
             before = self.profile.prefill * scale
             self.prefill("raw" if kind == "raw" else "lonnymq", before, channels)
         with self._maintained(kind):
