@@ -264,6 +264,8 @@ class Bench:
         self.log = log
         self.pgbench = pgbench_path()
         self.tmp = Path(tempfile.mkdtemp(prefix="lonnymq-bench-"))
+        # Set by reset(): the bench's schemas may exist and are dropped at the end.
+        self.made_schemas = False
         self.names = {
             "s": sql.Identifier(SCHEMA).as_string(),
             "r": sql.Identifier(RAW_SCHEMA).as_string(),
@@ -280,6 +282,7 @@ class Bench:
 
     def reset(self) -> None:
         """Fresh raw queue table and a fresh lonnymq schema."""
+        self.made_schemas = True
         with self._admin() as conn:
             conn.execute(RAW_DDL.format(**self.names).encode())
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
@@ -738,7 +741,7 @@ def run_bench(
         return _run_bench(bench, spark_only=spark_only)
     finally:
         bench.close()
-        if not spark_only:
+        if bench.made_schemas:
             drop_schemas(dsn, *BENCH_SCHEMAS)
 
 
