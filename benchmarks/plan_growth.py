@@ -16,27 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import psycopg
+from checkouts import _install
 from psycopg import sql
-
-INSTALL = """
-import sys
-from lonnymq import Queue
-with Queue(sys.argv[1], schema=sys.argv[2]) as queue:
-    queue.install()
-"""
 
 
 def _measure(tree: Path, dsn: str, channels: int, creates: int) -> float:
     schema = f"growth_{uuid.uuid4().hex[:8]}"
-    env = {**os.environ, "PYTHONPATH": str(tree.resolve() / "src")}
-    subprocess.run([sys.executable, "-c", INSTALL, dsn, schema], check=True, env=env)
+    _install(tree.resolve(), dsn, schema, 0, 1)
     ident = sql.Identifier(schema)
     create = sql.SQL("SELECT * FROM {}.message_create('\\x00'::bytea, %s)").format(ident)
     try:
