@@ -802,3 +802,79 @@ def test_keyed_lookups_stay_index_probes_on_a_tiny_table(
     ).fetchone()
     assert pages is not None
     assert pages[0] <= 2
+
+
+def _rescans_an_array(node: dict[str, Any]) -> bool:
+    """A sub-select run once per outer row (a correlated SubPlan, not hashed) that reads a
+    function's rows (an array unnested) each time: n * m for arrays of n and m (0039)."""
+    return (
+        node.get("Parent Relationship") == "SubPlan"
+        and not str(node.get("Subplan Name", "")).startswith("hashed")
+        and any(n["Node Type"] == "Function Scan" for n in _nodes(node))
+    )
+
+
+RIDE_CHANNELS = 2_000
+RIDE_LIMIT = 300
+# Step 2b: a batch riding along, in one statement, on several busy channels.
+RIDE_MANY = "unnest(v_ride) WITH ORDINALITY AS f(name, ord) CROSS JOIN LATERAL"
+
+
+def test_a_batch_riding_along_on_many_channels_counts_each_once(
+    queue: Queue, admin: psycopg.Connection[Any], dsn: str
+) -> None:
+    """0039: a batch riding along on busy channels (their rows held by another dequeue) counted
+    what each channel gave by reading the whole batch once per channel. No statement of such a
+    take reads an array once per row of another, in custom or generic plans, and the take
+    returns what it should: every channel's first head, then their seconds."""
+    admin.execute(_schema_sql("SET search_path = {}", queue.schema))
+    with admin.transaction():
+        admin.execute(_insert(f"'r' || (g % {RIDE_CHANNELS})", count=2 * RIDE_CHANNELS))
+        admin.execute(REBUILD_CHANNELS)
+    admin.execute("ANALYZE message")
+    admin.execute("ANALYZE channel")
+    everyone = tuple(f"r{i}" for i in range(RIDE_CHANNELS))
+    plans: list[Plan] = []
+    taken: list[list[int]] = []
+
+    def on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
+        plan = _parse_notice(diagnostic.message_primary or "")
+        if plan is not None:
+            plans.append(plan)
+
+    with _holding(dsn, queue.schema, everyone), psycopg.connect(dsn, autocommit=True) as conn:
+        conn.add_notice_handler(on_notice)
+        for setting in (
+            "LOAD 'auto_explain'",
+            "SET auto_explain.log_min_duration = 0",
+            "SET auto_explain.log_nested_statements = on",
+            "SET auto_explain.log_format = json",
+            "SET client_min_messages = log",
+        ):
+            conn.execute(setting)
+        # Custom plans first, then (plpgsql caches it after five calls) the generic plan.
+        for mode in ["auto"] * 6 + ["force_generic_plan"] * 2:
+            conn.execute(f"SET plan_cache_mode = {mode}")
+            with conn.transaction(force_rollback=True):
+                rows = conn.execute(
+                    _schema_sql("SELECT id FROM {}.message_dequeue_many(%s, %s)", queue.schema),
+                    (RIDE_LIMIT, LOCK_MS),
+                ).fetchall()
+            taken.append([row[0] for row in rows])
+
+    rides = [plan for plan in plans if RIDE_MANY in " ".join(plan.query.split())]
+    assert len(rides) >= 8, "no batch rode along on several channels"
+    rescans = [_describe(plan) for plan in plans if any(map(_rescans_an_array, _nodes(plan.root)))]
+    assert not rescans, "\n\n".join(rescans)
+    # Each take (rolled back) is the same: both messages of the first channel in turn (the
+    # one-channel ride-along takes what it has), then the first head of each next channel
+    # in turn, one each (the share of each of the RIDE_LIMIT - 2 channels ridden along on).
+    heads = admin.execute(
+        "SELECT array_agg(m.id ORDER BY m.dequeue_at, m.id) FROM message m"
+        " JOIN channel c ON c.name = m.channel"
+        " GROUP BY c.name, c.next_dequeue_at, c.turn ORDER BY c.next_dequeue_at, c.turn"
+    ).fetchall()
+    expected = heads[0][0] + [row[0][0] for row in heads[1 : RIDE_LIMIT - 1]]
+    assert len(expected) == RIDE_LIMIT
+    for ids in taken:
+        assert ids == expected

@@ -1,0 +1,496 @@
+-- 0039_ride_along_tally: a batch riding along on many busy channels counts what each gave in
+-- one grouping.
+--
+-- Step 2b of message_dequeue_loop (a batch riding along, in one statement, on due channels
+-- whose rows other dequeues hold) then decides which of those channels to pass (they gave less
+-- than their share, so they have no head left) and which to try again. It counted each
+-- channel's messages by a scan of the whole batch per channel: |channels| x |batch|. With
+-- every channel row of 100,000 channels held by another transaction, two messages in each, a
+-- take of 10,000 rode along on 9,999 channels and that count took 7.0 s of the call's 7.5 s
+-- (PostgreSQL 15, pg_stat_statements with track = all).
+--
+-- The statement that takes the heads now also counts them: its picked heads grouped by
+-- channel, with one row per ridden channel beside them so that a channel that gave nothing
+-- counts 0 (a grouping, not a join: n log n in any plan the session caches). The channels
+-- passed and those kept come out of it in turn order, as before.
+
+CREATE OR REPLACE FUNCTION message_dequeue_loop(p_limit INTEGER, p_lock_ms BIGINT)
+RETURNS TABLE (
+    id BIGINT, channel TEXT, content BYTEA, state BYTEA, num_attempts INTEGER,
+    dequeue_at BIGINT, unlock_at BIGINT, retry_at BIGINT
+)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_bitmapscan = off
+SET enable_seqscan = off
+SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    -- The clock as this call starts, not as its transaction did: another session may have
+    -- served a channel and set its next time by its own, later clock since.
+    v_now BIGINT := epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT;
+    v_taken INTEGER := 0;
+    v_probes INTEGER := 0;
+    v_message message;
+    v_channel channel;
+    v_release_at BIGINT;
+    v_retry_at BIGINT;
+    v_recover BOOLEAN := TRUE;
+    v_found BOOLEAN;
+    v_waited BOOLEAN := FALSE;
+    v_busy TEXT;
+    v_passed TEXT[] := ARRAY[]::TEXT[];
+    v_rest TEXT[];
+    v_spread BOOLEAN := FALSE;
+    v_free TEXT[] := ARRAY[]::TEXT[];
+    v_due channel[];
+    v_share INTEGER;
+    v_quota INTEGER;
+    v_extra INTEGER;
+    v_rows INTEGER;
+    v_ride TEXT[];
+    v_ride_more BOOLEAN := TRUE;
+    v_rows_held BOOLEAN := FALSE;
+    v_reserved INTEGER := 0;
+    v_rode BOOLEAN := FALSE;
+    v_budget INTEGER;
+    v_batch message[];
+    v_keep TEXT[] := ARRAY[]::TEXT[];
+    v_short TEXT[];
+BEGIN
+    IF NOT coalesce(p_limit BETWEEN 1 AND 10000 AND p_lock_ms BETWEEN 1 AND 604800000, FALSE)
+    THEN
+        PERFORM arg_check(p_limit BETWEEN 1 AND 10000,
+            format('limit must be between 1 and 10000, got %s', coalesce(p_limit::TEXT, 'NULL')));
+        PERFORM arg_check_lock_ms(p_lock_ms);
+    END IF;
+
+    WHILE v_taken < p_limit AND v_probes < 2 * p_limit + 8 LOOP
+        v_probes := v_probes + 1;
+
+        -- 1. A message whose lock expired: its holder is gone. Its channel slot was never
+        -- released, so the channel is not touched. Once none is found, stop looking.
+        IF v_recover THEN
+            UPDATE message m SET
+                unlock_at = v_now + p_lock_ms,
+                locked_at = v_now,
+                num_attempts = m.num_attempts + 1
+            WHERE m.id = (
+                SELECT e.id FROM message e
+                WHERE e.is_locked AND e.unlock_at <= v_now
+                ORDER BY e.unlock_at, e.id
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED)
+            RETURNING m.* INTO v_message;
+            v_recover := FOUND;
+        END IF;
+
+        IF NOT v_recover THEN
+            -- 2a. A batch, once: the due channels in turn, locked together; those without a
+            -- policy give their heads in one statement, round robin (each channel's first
+            -- head, then each one's second, ...), up to an equal share each. Channels with a
+            -- policy are left to the one-by-one steps below, which come to them next.
+            IF NOT v_spread AND p_limit - v_taken >= 2 THEN
+                v_spread := TRUE;
+                -- (The subquery's order is kept: nothing after it reorders rows.)
+                v_due := ARRAY(
+                    SELECT c
+                    FROM channel c
+                    WHERE c.next_dequeue_at IS NOT NULL
+                      AND (c.max_concurrency IS NULL
+                           OR c.current_concurrency < c.max_concurrency)
+                      AND c.next_dequeue_at <= v_now
+                    ORDER BY c.next_dequeue_at, c.turn
+                    LIMIT p_limit - v_taken
+                    FOR UPDATE SKIP LOCKED);
+                -- Fewer than asked for: every other due channel's row is held elsewhere.
+                v_rows_held := cardinality(v_due) < p_limit - v_taken;
+                v_free := ARRAY(
+                    SELECT d.name FROM unnest(v_due) AS d
+                    WHERE NOT d.has_policy
+                      AND pg_try_advisory_xact_lock_shared(channel_key(d.name)));
+                -- One slot stays for each channel with a policy among them: the steps below
+                -- serve those (they come first in turn), so a batch never starves them.
+                v_reserved := (SELECT count(*) FROM unnest(v_due) AS d WHERE d.has_policy);
+                v_share := p_limit - v_taken - v_reserved;
+                IF cardinality(v_free) > 0 AND v_share > 0 THEN
+                    -- Each channel's share exactly (the first in turn take one more when
+                    -- they do not divide evenly), so every head locked is a head taken: a
+                    -- head locked and left out would stay locked until this transaction
+                    -- ends, and other dequeues would pass it and take the messages behind it.
+                    v_quota := v_share / cardinality(v_free);
+                    v_extra := v_share % cardinality(v_free);
+                    RETURN QUERY
+                        WITH picked AS (
+                            SELECT h.id, f.ord, h.rn
+                            FROM unnest(v_free) WITH ORDINALITY AS f(name, ord)
+                            CROSS JOIN LATERAL (
+                                SELECT x.id, row_number() OVER () AS rn
+                                FROM (
+                                    SELECT m.id FROM message m
+                                    WHERE m.channel = f.name AND NOT m.is_locked
+                                      AND m.dequeue_at <= v_now
+                                    ORDER BY m.dequeue_at, m.id
+                                    LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
+                                    FOR UPDATE SKIP LOCKED) x) h
+                        ), chosen AS (
+                            SELECT p.id, row_number() OVER (ORDER BY p.rn, p.ord) AS place
+                            FROM picked p
+                            ORDER BY p.rn, p.ord
+                            LIMIT v_share
+                        ), wanted AS (
+                            -- In id order, each with its place in the batch (see the top).
+                            SELECT array_agg(c.id ORDER BY c.id) AS ids,
+                                   array_agg(c.place ORDER BY c.id) AS places
+                            FROM chosen c
+                        ), taken AS (
+                            UPDATE message m SET
+                                is_locked = TRUE,
+                                unlock_at = v_now + p_lock_ms,
+                                locked_at = v_now,
+                                num_attempts = m.num_attempts + 1
+                            WHERE m.id = ANY ((SELECT w.ids FROM wanted w)::BIGINT[])
+                            RETURNING m.id, m.channel, m.content, m.state, m.num_attempts,
+                                      m.dequeue_at, m.unlock_at
+                        )
+                        SELECT t.id, t.channel, t.content, t.state, t.num_attempts,
+                               t.dequeue_at, t.unlock_at, NULL::BIGINT
+                        FROM taken t CROSS JOIN wanted w
+                        ORDER BY w.places[width_bucket(t.id, w.ids)];
+                    GET DIAGNOSTICS v_rows = ROW_COUNT;
+                    v_taken := v_taken + v_rows;
+                    -- Send them to the back together: those whose next head is due in one
+                    -- statement (new turns in the order they were served), the rest one by
+                    -- one (channel_rotate may push them ahead or delete their rows).
+                    WITH next_heads AS (
+                        SELECT f.name, f.ord,
+                               (SELECT greatest(m.dequeue_at, v_now) FROM message m
+                                WHERE m.channel = f.name AND NOT m.is_locked
+                                ORDER BY m.dequeue_at, m.id
+                                LIMIT 1) AS next_at
+                        FROM unnest(v_free) WITH ORDINALITY AS f(name, ord)
+                    ), turns AS (
+                        SELECT n.name, n.next_at, nextval('channel_turn_seq') AS turn
+                        FROM (SELECT h.name, h.next_at FROM next_heads h
+                              WHERE h.next_at <= v_now ORDER BY h.ord) n
+                    ), rotated AS (
+                        UPDATE channel c SET
+                            next_dequeue_at = t.next_at, turn = t.turn, last_dequeue_at = v_now
+                        FROM turns t
+                        WHERE c.name = t.name
+                        RETURNING c.name
+                    )
+                    SELECT coalesce(array_agg(h.name ORDER BY h.ord), ARRAY[]::TEXT[])
+                    INTO v_rest
+                    FROM next_heads h
+                    WHERE h.name NOT IN (SELECT r.name FROM rotated r);
+                    PERFORM channel_rotate(r.name, v_now, TRUE) FROM unnest(v_rest) AS r(name);
+                    CONTINUE;
+                END IF;
+            END IF;
+
+            -- 2b. Once the one-channel ride-along below has taken what the first busy channel
+            -- had and the batch is still short (that channel was shallow; a deep one fills the
+            -- batch in one statement, and 2b never runs), ride along, in one statement, on the
+            -- other due channels whose rows other dequeues hold: their heads round robin, an
+            -- equal share each, as in 2a, but leaving their rows to their holders. Channels
+            -- with a policy, or whose policy is being changed, are left to the steps below, and
+            -- so is a lone busy channel (the one-channel ride-along serves it). Repeated while
+            -- it takes something; a channel that gave less than its share has no head left and
+            -- is passed.
+            -- It keeps 2a's slots for the channels with a policy whose rows 2a holds, and the
+            -- channels it locks count as probes (each holds its advisory lock to the end).
+            v_budget := p_limit - v_taken - v_reserved;
+            IF v_ride_more AND v_rows_held AND v_rode AND v_budget >= 2 THEN
+                v_ride_more := FALSE;
+                IF cardinality(v_keep) >= 2 THEN
+                    -- The channels of the last round that gave their whole share (they may
+                    -- have more): already locked, so no new probes.
+                    v_ride := v_keep;
+                ELSE
+                    v_ride := ARRAY(
+                        SELECT c.name FROM channel c
+                        WHERE c.next_dequeue_at IS NOT NULL
+                          -- (What channel_ready_ix holds: redundant with NOT has_policy.)
+                          AND (c.max_concurrency IS NULL
+                               OR c.current_concurrency < c.max_concurrency)
+                          AND c.next_dequeue_at <= v_now
+                          AND NOT c.has_policy
+                          AND c.name <> ALL (v_passed)
+                          AND c.name <> ALL (v_free)
+                        ORDER BY c.next_dequeue_at, c.turn
+                        LIMIT v_budget);
+                    IF cardinality(v_ride) >= 2 THEN
+                        v_ride := ARRAY(
+                            SELECT r.name FROM unnest(v_ride) WITH ORDINALITY AS r(name, ord)
+                            WHERE pg_try_advisory_xact_lock_shared(channel_key(r.name))
+                            ORDER BY r.ord);
+                        v_probes := v_probes + cardinality(v_ride);
+                        -- A statement of its own after the advisory locks, so that its snapshot
+                        -- sees any policy set before them: such a channel is left to the steps
+                        -- below, which serve it under its row. (Filtered here, not beside the
+                        -- heads' FOR UPDATE, which the planner may run first: heads locked,
+                        -- then left.)
+                        v_ride := ARRAY(
+                            SELECT r.name FROM unnest(v_ride) WITH ORDINALITY AS r(name, ord)
+                            WHERE NOT EXISTS (
+                                SELECT FROM channel p WHERE p.name = r.name AND p.has_policy)
+                            ORDER BY r.ord);
+                    END IF;
+                END IF;
+                IF cardinality(v_ride) >= 2 THEN
+                    v_quota := v_budget / cardinality(v_ride);
+                    v_extra := v_budget % cardinality(v_ride);
+                    WITH picked AS (
+                        SELECT h.id, f.ord, h.rn
+                        FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
+                        CROSS JOIN LATERAL (
+                            SELECT x.id, row_number() OVER () AS rn
+                            FROM (
+                                SELECT m.id FROM message m
+                                WHERE m.channel = f.name AND NOT m.is_locked
+                                  AND m.dequeue_at <= v_now
+                                ORDER BY m.dequeue_at, m.id
+                                LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
+                                FOR UPDATE SKIP LOCKED) x) h
+                    ), wanted AS (
+                        -- In id order, each with its place in the batch (see the top).
+                        SELECT array_agg(q.id ORDER BY q.id) AS ids,
+                               array_agg(q.place ORDER BY q.id) AS places
+                        FROM (SELECT p.id, row_number() OVER (ORDER BY p.rn, p.ord) AS place
+                              FROM picked p) q
+                    ), taken AS (
+                        UPDATE message m SET
+                            is_locked = TRUE,
+                            unlock_at = v_now + p_lock_ms,
+                            locked_at = v_now,
+                            num_attempts = m.num_attempts + 1
+                        WHERE m.id = ANY ((SELECT w.ids FROM wanted w)::BIGINT[])
+                        RETURNING m AS msg
+                    ), tally AS (
+                        -- What each ridden channel gave (every head it picked is taken), by
+                        -- one grouping of its heads beside a row for the channel itself: no
+                        -- join, so n log n in any plan.
+                        SELECT k.ord, max(k.name) AS name, count(k.id) AS gave
+                        FROM (SELECT f.ord, f.name, NULL::BIGINT AS id
+                              FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
+                              UNION ALL
+                              SELECT p.ord, NULL::TEXT, p.id FROM picked p) k
+                        GROUP BY k.ord
+                    )
+                    SELECT coalesce(
+                               array_agg(t.msg ORDER BY w.places[width_bucket((t.msg).id, w.ids)]),
+                               ARRAY[]::message[]),
+                           (SELECT coalesce(array_agg(y.name ORDER BY y.ord), ARRAY[]::TEXT[])
+                            FROM tally y
+                            WHERE y.gave < v_quota + CASE WHEN y.ord <= v_extra THEN 1 ELSE 0 END),
+                           (SELECT coalesce(array_agg(y.name ORDER BY y.ord), ARRAY[]::TEXT[])
+                            FROM tally y
+                            WHERE y.gave >= v_quota + CASE WHEN y.ord <= v_extra THEN 1 ELSE 0 END)
+                    INTO v_batch, v_short, v_keep
+                    FROM taken t CROSS JOIN wanted w;
+                    RETURN QUERY
+                        SELECT b.id, b.channel, b.content, b.state, b.num_attempts,
+                               b.dequeue_at, b.unlock_at, NULL::BIGINT
+                        FROM unnest(v_batch) AS b;
+                    v_taken := v_taken + cardinality(v_batch);
+                    -- A channel that gave less than its share has no head left: pass it. Those
+                    -- that gave it all may have more (v_keep, in turn order).
+                    v_passed := v_passed || v_short;
+                    -- One channel left with more to give: the one-channel ride-along takes
+                    -- the rest from it.
+                    IF cardinality(v_batch) > 0 AND cardinality(v_keep) <> 1 THEN
+                        v_ride_more := TRUE;
+                        CONTINUE;
+                    END IF;
+                END IF;
+            END IF;
+
+            -- 2. The head of the channel whose turn it is (one not passed by this call).
+            SELECT * INTO v_channel FROM channel c
+            WHERE c.next_dequeue_at IS NOT NULL
+              AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+              AND c.next_dequeue_at <= v_now
+              AND c.name <> ALL (v_passed)
+            ORDER BY c.next_dequeue_at, c.turn
+            LIMIT 1
+            FOR UPDATE SKIP LOCKED;
+            v_found := FOUND;
+
+            IF NOT v_found THEN
+                -- Every due channel's row is held by another session (or none is due).
+                SELECT c.name INTO v_busy FROM channel c
+                WHERE c.next_dequeue_at IS NOT NULL
+                  AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+                  AND c.next_dequeue_at <= v_now
+                  AND c.name <> ALL (v_passed)
+                ORDER BY c.next_dequeue_at, c.turn
+                LIMIT 1;
+                EXIT WHEN NOT FOUND;
+                -- Ride along on a policy-free channel, unless its policy is being changed:
+                -- then pass it and try the next busy channel.
+                IF NOT pg_try_advisory_xact_lock_shared(channel_key(v_busy)) THEN
+                    v_passed := v_passed || v_busy;
+                    CONTINUE;
+                END IF;
+                IF NOT coalesce(
+                        (SELECT c.has_policy FROM channel c WHERE c.name = v_busy), FALSE)
+                THEN
+                    RETURN QUERY
+                        WITH taken AS (
+                            UPDATE message m SET
+                                is_locked = TRUE,
+                                unlock_at = v_now + p_lock_ms,
+                                locked_at = v_now,
+                                num_attempts = m.num_attempts + 1
+                            WHERE m.id = ANY (ARRAY(
+                                SELECT h.id FROM message h
+                                WHERE h.channel = v_busy AND NOT h.is_locked
+                                  AND h.dequeue_at <= v_now
+                                ORDER BY h.dequeue_at, h.id
+                                LIMIT p_limit - v_taken
+                                FOR UPDATE SKIP LOCKED))
+                            RETURNING m.*
+                        )
+                        SELECT t.id, t.channel, t.content, t.state, t.num_attempts,
+                               t.dequeue_at, t.unlock_at, NULL::BIGINT
+                        FROM taken t ORDER BY t.dequeue_at, t.id;
+                    GET DIAGNOSTICS v_rows = ROW_COUNT;
+                    -- Its waiting heads are all taken by others: try the next busy channel
+                    -- rather than answer "nothing" while other channels have messages.
+                    v_passed := v_passed || v_busy;
+                    v_taken := v_taken + v_rows;
+                    v_rode := TRUE;
+                    CONTINUE;
+                ELSE
+                    -- A channel with a policy is served under its row: wait a little for it,
+                    -- once per call. Poll with NOWAIT instead of blocking: a SKIP LOCKED probe
+                    -- may keep locks on rows it did not return, so a blocking wait could
+                    -- deadlock. Once waited, pass such channels: another busy channel
+                    -- without a policy may still be ridden along on.
+                    EXIT WHEN v_taken > 0;
+                    IF v_waited THEN
+                        v_passed := v_passed || v_busy;
+                        CONTINUE;
+                    END IF;
+                    v_waited := TRUE;
+                    FOR v_try IN 1..200 LOOP
+                        BEGIN
+                            -- The other session pushed the channel back to its own clock,
+                            -- which may be ahead of ours: judge it by the release interval and
+                            -- the head (which must be due by our clock, below) instead.
+                            SELECT * INTO v_channel FROM channel c
+                            WHERE c.name = v_busy
+                              AND c.next_dequeue_at IS NOT NULL
+                              AND (c.max_concurrency IS NULL
+                                   OR c.current_concurrency < c.max_concurrency)
+                              AND (coalesce(c.release_interval_ms, 0) = 0
+                                   OR c.last_dequeue_at + c.release_interval_ms <= v_now)
+                            FOR UPDATE NOWAIT;
+                            v_found := FOUND;
+                            EXIT;
+                        EXCEPTION WHEN lock_not_available THEN
+                            PERFORM pg_sleep(0.0005);
+                        END;
+                    END LOOP;
+                    -- Still busy, or served in the meantime and no longer servable: pass it
+                    -- and look for another channel.
+                    IF NOT v_found THEN
+                        v_passed := v_passed || v_busy;
+                        CONTINUE;
+                    END IF;
+                END IF;
+            END IF;
+
+            -- Hold the channel's shared advisory lock too, as every operation on its
+            -- messages does: a later delete or create of ours in this transaction then never
+            -- waits for a policy change that waits for our row (a deadlock).
+            IF v_found AND NOT pg_try_advisory_xact_lock_shared(channel_key(v_channel.name)) THEN
+                -- Its policy is being changed: serve it next time, and another channel now.
+                v_passed := v_passed || v_channel.name;
+                CONTINUE;
+            END IF;
+
+            IF v_found THEN
+                UPDATE message m SET
+                    is_locked = TRUE,
+                    unlock_at = v_now + p_lock_ms,
+                    locked_at = v_now,
+                    num_attempts = m.num_attempts + 1
+                WHERE m.id = (
+                    SELECT h.id FROM message h
+                    WHERE h.channel = v_channel.name AND NOT h.is_locked
+                      AND h.dequeue_at <= v_now
+                    ORDER BY h.dequeue_at, h.id
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED)
+                RETURNING m.* INTO v_message;
+                v_found := FOUND;
+
+                IF NOT v_channel.has_policy THEN
+                    PERFORM channel_rotate(v_channel.name, v_now, v_found);
+                ELSE
+                    -- Send the channel to the back: its next time is its new head's
+                    -- dequeue_at, but not before the release interval has passed since this
+                    -- dequeue. (When no head was found, another session holds it or it is not
+                    -- due: just recompute.)
+                    v_release_at := CASE WHEN v_found THEN v_now
+                                         ELSE v_channel.last_dequeue_at END
+                        + coalesce(v_channel.release_interval_ms, 0);
+                    UPDATE channel c SET
+                        current_concurrency = CASE
+                            WHEN v_found AND c.max_concurrency IS NOT NULL
+                            THEN c.current_concurrency + 1
+                            ELSE c.current_concurrency END,
+                        last_dequeue_at = CASE WHEN v_found THEN v_now
+                                               ELSE c.last_dequeue_at END,
+                        next_dequeue_at = (
+                            SELECT greatest(n.dequeue_at, v_release_at) FROM message n
+                            WHERE n.channel = c.name AND NOT n.is_locked
+                            ORDER BY n.dequeue_at, n.id
+                            LIMIT 1),
+                        turn = nextval('channel_turn_seq')
+                    WHERE c.name = v_channel.name;
+                END IF;
+                IF NOT v_found THEN
+                    -- Its due heads are held by sessions riding along: pass it, or it would
+                    -- come first again (its next time is still its head's) and this call
+                    -- would answer "nothing" while other channels have messages.
+                    v_passed := v_passed || v_channel.name;
+                    CONTINUE;
+                END IF;
+            END IF;
+        END IF;
+
+        v_taken := v_taken + 1;
+        id := v_message.id;
+        channel := v_message.channel;
+        content := v_message.content;
+        state := v_message.state;
+        num_attempts := v_message.num_attempts;
+        dequeue_at := v_message.dequeue_at;
+        unlock_at := v_message.unlock_at;
+        retry_at := NULL;
+        RETURN NEXT;
+    END LOOP;
+
+    IF v_taken = 0 THEN
+        SELECT least(
+            (SELECT c.next_dequeue_at FROM channel c
+             WHERE c.next_dequeue_at IS NOT NULL
+               AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+             ORDER BY c.next_dequeue_at, c.turn LIMIT 1),
+            (SELECT m.unlock_at FROM message m WHERE m.is_locked
+             ORDER BY m.unlock_at, m.id LIMIT 1))
+        INTO v_retry_at;
+        id := NULL; channel := NULL; content := NULL; state := NULL; num_attempts := NULL;
+        dequeue_at := NULL; unlock_at := NULL;
+        retry_at := CASE WHEN v_retry_at IS NOT NULL THEN greatest(v_retry_at, v_now) END;
+        RETURN NEXT;
+    END IF;
+END;
+$$;
+
+
+SELECT secure_functions();
