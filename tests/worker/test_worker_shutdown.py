@@ -211,8 +211,7 @@ def test_a_handler_given_back_that_raises_later_does_not_stop_the_next_run(
 
 
 class _StoppingQueue(Queue):
-    """A queue whose worker is told to stop while it finishes one message and takes the next
-    (the next is then given back), and whose give-back is slow."""
+    """A queue whose worker is told to stop while it finishes one message and takes the next."""
 
     worker: Worker | None = None
 
@@ -221,23 +220,64 @@ class _StoppingQueue(Queue):
         self.worker.stop()
         return super().complete_and_dequeue(*args, **kwargs)
 
-    def defer(self, *args: Any, **kwargs: Any) -> None:
-        time.sleep(0.5)
-        super().defer(*args, **kwargs)
-        time.sleep(0.5)  # heartbeats run meanwhile: the message is no longer held
+
+class _StoppingAsyncQueue(AsyncQueue):
+    """The same for an AsyncWorker."""
+
+    worker: AsyncWorker | None = None
+
+    async def complete_and_dequeue(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.worker is not None
+        self.worker.stop()
+        return await super().complete_and_dequeue(*args, **kwargs)
 
 
-def test_run_returns_only_once_a_message_taken_while_stopping_is_given_back(
+def test_a_message_taken_while_stopping_runs_within_the_grace_period(
+    dsn: str, queue: Queue
+) -> None:
+    """Finishing one message takes the next in the same call; when the stop comes meanwhile,
+    the next one runs too (the dequeue counted its attempt: given back unrun, it would be
+    failed unrun by a worker with max_attempts=1), and run() returns once it is finished."""
+    queue.create(b"first", channel="a")
+    queue.create(b"second", channel="a")
+    ran: list[bytes] = []
+    with _StoppingQueue(dsn, schema=queue.schema) as stopping:
+        worker = Worker(
+            stopping,
+            lambda m: ran.append(m.content),
+            concurrency=1,
+            max_attempts=1,
+            grace_s=5,
+            idle_ms=50,
+            heartbeat_ms=100,
+        )
+        stopping.worker = worker
+        stats = worker.run(handle_signals=False)
+    assert ran == [b"first", b"second"]
+    assert (stats.completed, stats.given_back, stats.failed, stats.lost) == (2, 0, 0, 0)
+    assert queue.stats() == []
+
+
+def test_an_async_message_taken_while_stopping_runs_within_the_grace_period(
     dsn: str, queue: Queue
 ) -> None:
     queue.create(b"first", channel="a")
     queue.create(b"second", channel="a")
-    with _StoppingQueue(dsn, schema=queue.schema) as stopping:
-        worker = Worker(
-            stopping, lambda m: None, concurrency=1, grace_s=5, idle_ms=50, heartbeat_ms=100
-        )
-        stopping.worker = worker
-        stats = worker.run(handle_signals=False)
-        [channel] = queue.stats()
-    assert (stats.completed, stats.given_back, stats.lost) == (1, 1, 0)
-    assert (channel.size, channel.in_flight) == (1, 0)  # back, not left locked
+    ran: list[bytes] = []
+
+    async def handler(message: AsyncMessage) -> None:
+        await asyncio.sleep(0.2)
+        ran.append(message.content)
+
+    async def main() -> WorkerStats:
+        async with _StoppingAsyncQueue(dsn, schema=queue.schema) as stopping:
+            worker = AsyncWorker(
+                stopping, handler, concurrency=1, max_attempts=1, grace_s=5, idle_ms=50
+            )
+            stopping.worker = worker
+            return await worker.run(handle_signals=False)
+
+    stats = asyncio.run(main())
+    assert ran == [b"first", b"second"]
+    assert (stats.completed, stats.given_back, stats.failed, stats.lost) == (2, 0, 0, 0)
+    assert queue.stats() == []

@@ -69,9 +69,6 @@ class _Task:
     # Set once its handler has returned (or none runs): its outcome is being reported, so the
     # end of the grace period must not give the message back.
     reporting: bool = False
-    # A message taken while stopping, being given back: not renewed (once its give-back has
-    # committed, a renewal would call its lock lost).
-    giving_back: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -262,36 +259,25 @@ class Worker:
         (one transaction: see :meth:`_apply`), run that one too, and so on."""
         while True:
             following: Message | None = None
-            chained = False
             try:
                 following = self._run(task)
             finally:
                 with self._lock:
                     self._running.pop(task, None)
-                    # Checked under the lock that _shutdown takes to list what still runs:
-                    # a message taken after the stop is given back, never left unlisted.
-                    chained = following is not None and not self._stopping.is_set()
+                    # Under the lock that _shutdown takes to list what still runs: the next
+                    # message replaces this one in the list at once, never left unlisted.
+                    # One taken while stopping runs too, within the grace period: given back
+                    # unrun, it would have spent an attempt (the dequeue counted one) that a
+                    # later max_attempts check would hold against it.
                     done = task
                     if following is not None:
                         task = _Task(following)
-                        # One to give back is listed too, as being reported: _shutdown waits
-                        # for it rather than return (or give it back a second time).
-                        task.reporting = task.giving_back = not chained
                         self._running[task] = None
                     self.metrics.running = len(self._running)
                 done.done.set()
-                if not chained:
+                if following is None:
                     self._wake.set()
             if following is None:
-                return
-            if not chained:
-                try:
-                    self._give_back(following, "taken while stopping")
-                finally:
-                    with self._lock:
-                        self._running.pop(task, None)
-                        self.metrics.running = len(self._running)
-                    task.done.set()
                 return
             self.metrics.count("dequeued", following.channel)
 
@@ -467,9 +453,7 @@ class Worker:
                 next_round = max(next_round + period, time.monotonic())
                 with self._lock:
                     tasks = [
-                        t
-                        for t in self._running
-                        if not (t.lost or t.abandoned or t.giving_back or t.done.is_set())
+                        t for t in self._running if not (t.lost or t.abandoned or t.done.is_set())
                     ]
                 if not tasks:
                     continue
@@ -565,7 +549,8 @@ class Worker:
             task.done.wait(max(0.0, wait_until - time.monotonic()))
 
     def _give_back(self, message: Message, why: str) -> None:
-        """Unlock a message this worker will not run (no attempt is lost: defer keeps it)."""
+        """Unlock a message whose handler outlived the grace period (defer keeps its attempt count:
+        the attempt that ran is spent)."""
         try:
             message.defer()
             self._count("given_back", message.channel)

@@ -239,19 +239,18 @@ class AsyncWorker:
                 following = await self._run(run)
             finally:
                 self._running.pop(run, None)
-                # No await between this check and the registration: _shutdown, which lists
-                # what still runs after the stop, sees every message taken before it.
-                chained = following is not None and not self._stopping.is_set()
-                if following is not None and chained:
+                # No await between the pop and the registration: _shutdown, which lists what
+                # still runs after the stop, sees every message taken before it. One taken
+                # while stopping runs too, within the grace period: given back unrun, it would
+                # have spent an attempt (the dequeue counted one) that a later max_attempts
+                # check would hold against it.
+                if following is not None:
                     run = _Run(following, task=run.task)
                     self._running[run] = None
                 self.metrics.running = len(self._running)
-                if not chained:
+                if following is None:
                     self._wake.set()
             if following is None:
-                return
-            if not chained:
-                await self._give_back(following, "taken while stopping")
                 return
             self.metrics.count("dequeued", following.channel)
 
@@ -507,7 +506,8 @@ class AsyncWorker:
                 task.cancel()
 
     async def _give_back(self, message: AsyncMessage, why: str) -> None:
-        """Unlock a message this worker will not run (defer keeps its attempt count)."""
+        """Unlock a message whose handler outlived the grace period (defer keeps its attempt count:
+        the attempt that ran is spent)."""
         try:
             await message.defer()
             self._count("given_back", message.channel)
