@@ -61,7 +61,8 @@ class InvalidArgumentError(LonnyMQError, ValueError):
 
 
 class InvalidPolicyError(InvalidArgumentError):
-    """A channel policy value is out of range; the policy was not changed."""
+    """A channel policy value is out of range (the policy was not changed), or a policy
+    refuses what was asked: a schedule when the schedules' channel is full."""
 
     sqlstate = "LQ004"
 

@@ -15,7 +15,12 @@ import pytest
 from psycopg import sql
 
 from lonnymq import Message, NewMessage, Queue
-from lonnymq.errors import InvalidArgumentError, InvalidChannelError, StaleMessageError
+from lonnymq.errors import (
+    InvalidArgumentError,
+    InvalidChannelError,
+    InvalidPolicyError,
+    StaleMessageError,
+)
 from lonnymq.schedule import SCHEDULE_CHANNEL
 from lonnymq.worker import Worker
 
@@ -356,3 +361,18 @@ def test_a_firing_into_a_full_channel_waits_for_room(make_queue: Callable[..., Q
     [jobs] = [s for s in queue.stats() if s.channel == "jobs"]
     assert jobs.size == 2
     assert queue.schedules()[0].last_fired_at == firing.fire_at
+
+
+def test_a_schedule_declared_in_a_full_schedules_channel_is_refused_by_its_policy(
+    queue: Queue,
+) -> None:
+    """0040: a max_size on the schedules' channel that leaves no room for a new schedule is a
+    policy refusal (InvalidPolicyError, naming it), not a conflict to run again; nothing is
+    changed."""
+    queue.schedule("kept", cron="0 * * * *", content=b"k")
+    queue.channel(SCHEDULE_CHANNEL).set_policy(max_size=1)
+    with pytest.raises(InvalidPolicyError, match=r"lonnymq\.schedules is full"):
+        queue.schedule("nightly", cron="0 3 * * *", content=b"x")
+    assert [s.name for s in queue.schedules()] == ["kept"]
+    queue.channel(SCHEDULE_CHANNEL).clear_policy()
+    assert queue.schedule("nightly", cron="0 3 * * *", content=b"x") is True

@@ -1,0 +1,97 @@
+-- 0040_schedule_channel_full: declaring a schedule in a full schedules channel says so.
+--
+-- A policy with a max_size on the channel that holds the schedules' drivers
+-- (lonnymq.schedules) makes message_create refuse a new driver ('dropped'). schedule_set took
+-- that for a concurrent declaration of the same name, tried again, and raised 40001 ("kept
+-- changing while being set"), which the Python API runs again three times and then reports as
+-- a conflict to retry, for a refusal that no retry can change. It now raises LQ004
+-- (InvalidPolicyError) naming the policy, and changes nothing.
+
+CREATE OR REPLACE FUNCTION schedule_set(p_name TEXT, p_spec BYTEA, p_next_at BIGINT)
+RETURNS TABLE (status TEXT, id BIGINT)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_message message;
+    v_channel channel;
+    v_status TEXT;
+    v_id BIGINT;
+    v_after BIGINT;
+    v_seen BOOLEAN;
+BEGIN
+    PERFORM schedule_check_name(p_name);
+    PERFORM arg_check(p_next_at IS NOT NULL, 'next_at must not be NULL');
+    PERFORM arg_check_time('next_at', p_next_at);
+    PERFORM arg_check(p_spec IS NOT NULL, 'spec must not be NULL');
+    PERFORM arg_check_payload('spec', p_spec);
+    -- Two rounds at most: a concurrent schedule_set may create the driver between our probe
+    -- and our create (which then reports it deduplicated, holding the channel row).
+    FOR v_round IN 1..2 LOOP
+        SELECT * INTO v_message FROM message m
+        WHERE m.channel = 'lonnymq.schedules' AND m.dedup_key = p_name
+        FOR UPDATE;
+        IF NOT FOUND THEN
+            SELECT c.status, c.id INTO v_status, v_id FROM message_create(
+                p_content => p_spec, p_channel => 'lonnymq.schedules',
+                p_dequeue_at => p_next_at, p_dedup_key => p_name) c;
+            IF v_status = 'created' THEN
+                status := 'created'; id := v_id;
+                RETURN NEXT;
+                RETURN;
+            END IF;
+            IF v_status = 'dropped' THEN
+                -- Refused by the schedules channel's max_size: not a race, so not a
+                -- transaction to run again.
+                RAISE EXCEPTION 'schedule % cannot be set: channel lonnymq.schedules is full (its policy''s max_size); raise or clear that policy', p_name
+                    USING ERRCODE = 'LQ004';
+            END IF;
+            CONTINUE;
+        END IF;
+        UPDATE message m SET content = p_spec WHERE m.id = v_message.id;
+        IF v_message.is_locked THEN
+            -- Held (a worker is firing it): given back at the new spec's time. The holder's
+            -- defer then finds it no longer held, and its firing rolls back (stale). A firing
+            -- that got to its defer first holds the row: this waited for it to commit, and
+            -- found the driver unlocked.
+            PERFORM message_requeue(v_message.id, v_message.num_attempts, p_next_at, NULL);
+            status := 'updated'; id := v_message.id;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+        IF v_message.dequeue_at <> p_next_at THEN
+            UPDATE message m SET dequeue_at = p_next_at WHERE m.id = v_message.id;
+            -- As message_requeue (0002): a policy-free channel's row is only brought forward.
+            PERFORM pg_advisory_xact_lock_shared(channel_key(v_message.channel));
+            SELECT * INTO v_channel FROM channel c WHERE c.name = v_message.channel;
+            v_seen := FOUND;
+            IF NOT v_seen OR NOT v_channel.has_policy THEN
+                PERFORM channel_wake(v_message.channel, p_next_at, v_seen,
+                    v_channel.next_dequeue_at, 'deferred', v_message.id);
+                status := 'updated'; id := v_message.id;
+                RETURN NEXT;
+                RETURN;
+            END IF;
+            SELECT * INTO STRICT v_channel FROM channel c
+            WHERE c.name = v_message.channel FOR UPDATE;
+            v_after := channel_next_at(v_channel.name,
+                v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0));
+            UPDATE channel c SET next_dequeue_at = v_after WHERE c.name = v_channel.name;
+            PERFORM channel_announce(
+                channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
+                    v_channel.max_concurrency),
+                channel_servable_at(v_after, v_channel.current_concurrency,
+                    v_channel.max_concurrency),
+                'deferred', v_message.id, v_channel.name);
+        END IF;
+        status := 'updated'; id := v_message.id;
+        RETURN NEXT;
+        RETURN;
+    END LOOP;
+    RAISE EXCEPTION 'schedule % kept changing while being set', p_name USING ERRCODE = '40001';
+END;
+$$;
+
+
+SELECT secure_functions();
