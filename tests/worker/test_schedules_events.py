@@ -6,6 +6,7 @@ Time moves with ``set_clock_offset`` (whole minutes), never with sleeps.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -376,3 +377,52 @@ def test_a_schedule_declared_in_a_full_schedules_channel_is_refused_by_its_polic
     assert [s.name for s in queue.schedules()] == ["kept"]
     queue.channel(SCHEDULE_CHANNEL).clear_policy()
     assert queue.schedule("nightly", cron="0 3 * * *", content=b"x") is True
+
+
+def test_two_transactions_declaring_schedules_queue_up_instead_of_deadlocking(
+    queue: Queue, dsn: str
+) -> None:
+    """0040: a transaction declaring s1 then s2 beside another declaring s1: the second waited
+    for s1's key holding the schedules channel's row, which the first then needed for s2."""
+    far = 10**14
+    search_path = sql.SQL("SET search_path = {}").format(sql.Identifier(queue.schema))
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(search_path)
+        admin.execute("SELECT * FROM schedule_set('s2', 'spec', %s)", (far,))
+    errors: list[BaseException] = []
+    with psycopg.connect(dsn) as first:
+        first.execute(search_path)
+        first.execute("SELECT * FROM schedule_set('s1', 'spec', %s)", (far + 1,))
+
+        def declare_s1() -> None:
+            try:
+                with psycopg.connect(dsn, autocommit=True) as second:
+                    second.execute(search_path)
+                    second.execute("SELECT * FROM schedule_set('s1', 'spec', 0)")
+            except psycopg.Error as err:
+                errors.append(err)
+
+        other = threading.Thread(target=declare_s1)
+        other.start()
+        # The other declaration is waiting (for the first transaction) before going on.
+        deadline = time.monotonic() + 30
+        with psycopg.connect(dsn, autocommit=True) as watcher:
+            while watcher.execute(
+                "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE %s)",
+                ["%schedule_set('s1', 'spec', 0)%"],
+            ).fetchone() != (True,):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        first.execute("SELECT * FROM schedule_set('s2', 'spec2', 0)")
+        first.commit()
+        other.join(timeout=30)
+    assert errors == []
+    with psycopg.connect(dsn) as conn:
+        drivers = conn.execute(
+            sql.SQL(
+                "SELECT dedup_key, content FROM {}.message WHERE channel = %s ORDER BY 1"
+            ).format(sql.Identifier(queue.schema)),
+            [SCHEDULE_CHANNEL],
+        ).fetchall()
+    assert drivers == [("s1", b"spec"), ("s2", b"spec2")]

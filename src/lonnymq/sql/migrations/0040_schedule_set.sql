@@ -1,4 +1,5 @@
--- 0040_schedule_channel_full: declaring a schedule in a full schedules channel says so.
+-- 0040_schedule_set: declaring a schedule in a full schedules channel says so, and
+-- declarations of schedules take their locks in one order.
 --
 -- A policy with a max_size on the channel that holds the schedules' drivers
 -- (lonnymq.schedules) makes message_create refuse a new driver ('dropped'). schedule_set took
@@ -6,6 +7,14 @@
 -- changing while being set"), which the Python API runs again three times and then reports as
 -- a conflict to retry, for a refusal that no retry can change. It now raises LQ004
 -- (InvalidPolicyError) naming the policy, and changes nothing.
+--
+-- A declaration that creates its driver locks the channel's row (message_create makes it due)
+-- and then waits for any other session inserting the same name; one that updates an existing
+-- driver locks the driver's row and then the channel's. Two transactions could therefore wait
+-- for each other: one declaring s1 and then s2 (holding s1's uncommitted key), the other
+-- declaring s1 (holding the channel row, waiting for that key), a deadlock once the first
+-- reaches s2's channel row. Declarations are rare and short: each now takes one exclusive
+-- transaction lock for the schema's schedules first, so they queue up instead.
 
 CREATE OR REPLACE FUNCTION schedule_set(p_name TEXT, p_spec BYTEA, p_next_at BIGINT)
 RETURNS TABLE (status TEXT, id BIGINT)
@@ -26,6 +35,8 @@ BEGIN
     PERFORM arg_check_time('next_at', p_next_at);
     PERFORM arg_check(p_spec IS NOT NULL, 'spec must not be NULL');
     PERFORM arg_check_payload('spec', p_spec);
+    -- One declaration at a time (see the top), before any row is locked.
+    PERFORM pg_advisory_xact_lock(channel_key('lonnymq.schedules') # 2);
     -- Two rounds at most: a concurrent schedule_set may create the driver between our probe
     -- and our create (which then reports it deduplicated, holding the channel row).
     FOR v_round IN 1..2 LOOP
