@@ -426,3 +426,85 @@ def test_two_transactions_declaring_schedules_queue_up_instead_of_deadlocking(
             [SCHEDULE_CHANNEL],
         ).fetchall()
     assert drivers == [("s1", b"spec"), ("s2", b"spec2")]
+
+
+def _waiting_for_a_lock(dsn: str, *patterns: str) -> None:
+    """Return once a session running a query like one of ``patterns`` waits for a lock."""
+    deadline = time.monotonic() + 30
+    likes = " OR ".join(["query LIKE %s"] * len(patterns))
+    with psycopg.connect(dsn, autocommit=True) as watcher:
+        while watcher.execute(
+            "SELECT EXISTS (SELECT FROM pg_stat_activity"
+            f" WHERE wait_event_type = 'Lock' AND ({likes}))",
+            list(patterns),
+        ).fetchone() != (True,):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_a_policy_then_a_schedule_in_one_transaction_beside_a_declaration(
+    queue: Queue, dsn: str
+) -> None:
+    """0040: a transaction setting the schedules channel's policy (its lock, exclusive) and then
+    declaring, beside another declaration: the other waits for the policy before the
+    declarations' own lock, not while holding it."""
+    search_path = sql.SQL("SET search_path = {}").format(sql.Identifier(queue.schema))
+    errors: list[BaseException] = []
+
+    def declare_y() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as other:
+                other.execute(search_path)
+                other.execute("SELECT * FROM schedule_set('y', 'spec', 100000000000000)")
+        except psycopg.Error as err:
+            errors.append(err)
+
+    with psycopg.connect(dsn) as first:
+        first.execute(search_path)
+        first.execute("SELECT channel_policy_set(%s, NULL, NULL, 100)", [SCHEDULE_CHANNEL])
+        thread = threading.Thread(target=declare_y)
+        thread.start()
+        _waiting_for_a_lock(dsn, "%schedule_set('y'%")
+        try:
+            first.execute("SELECT * FROM schedule_set('x', 'spec', 100000000000000)")
+            first.commit()
+        except psycopg.Error as err:
+            errors.append(err)
+        thread.join(timeout=30)
+    assert errors == []
+
+
+def test_a_removal_then_a_declaration_beside_two_declarations(queue: Queue, dsn: str) -> None:
+    """0040: schedule_remove takes the declarations' lock too (it locks a driver's row)."""
+    search_path = sql.SQL("SET search_path = {}").format(sql.Identifier(queue.schema))
+    far = 10**14
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(search_path)
+        for name in ("s1", "s2", "s3"):
+            admin.execute("SELECT * FROM schedule_set(%s, 'spec', %s)", (name, far))
+    errors: list[BaseException] = []
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second:
+        first.execute(search_path)
+        second.execute(search_path)
+        first.commit()
+        second.commit()
+        first.execute("SELECT * FROM schedule_set('s2', 'spec2', %s)", (far,))
+
+        def remove_then_declare() -> None:
+            try:
+                second.execute("SELECT schedule_remove('s1')")
+                second.execute("SELECT * FROM schedule_set('s3', 'spec3', %s)", (far,))
+                second.commit()
+            except psycopg.Error as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=remove_then_declare)
+        thread.start()
+        _waiting_for_a_lock(dsn, "%schedule_set('s3'%", "%schedule_remove%")
+        try:
+            first.execute("SELECT * FROM schedule_set('s1', 'spec1', %s)", (far,))
+            first.commit()
+        except psycopg.Error as err:
+            errors.append(err)
+        thread.join(timeout=30)
+    assert errors == []

@@ -14,7 +14,11 @@
 -- for each other: one declaring s1 and then s2 (holding s1's uncommitted key), the other
 -- declaring s1 (holding the channel row, waiting for that key), a deadlock once the first
 -- reaches s2's channel row. Declarations are rare and short: each now takes one exclusive
--- transaction lock for the schema's schedules first, so they queue up instead.
+-- transaction lock for the schema's schedules first, so they queue up instead. So does
+-- schedule_remove (it locks a driver's row, which a declaration may wait for), and both take
+-- the schedules channel's shared lock before it, as every create in that channel does: a
+-- transaction that set the channel's policy (which holds that lock exclusively) and then
+-- declares a schedule is then waited for before the declarations' lock, not under it.
 
 CREATE OR REPLACE FUNCTION schedule_set(p_name TEXT, p_spec BYTEA, p_next_at BIGINT)
 RETURNS TABLE (status TEXT, id BIGINT)
@@ -35,7 +39,9 @@ BEGIN
     PERFORM arg_check_time('next_at', p_next_at);
     PERFORM arg_check(p_spec IS NOT NULL, 'spec must not be NULL');
     PERFORM arg_check_payload('spec', p_spec);
-    -- One declaration at a time (see the top), before any row is locked.
+    -- One declaration at a time (see the top), before any row is locked; the channel's own
+    -- (shared) lock first, as every create in it takes it.
+    PERFORM pg_advisory_xact_lock_shared(channel_key('lonnymq.schedules'));
     PERFORM pg_advisory_xact_lock(channel_key('lonnymq.schedules') # 2);
     -- Two rounds at most: a concurrent schedule_set may create the driver between our probe
     -- and our create (which then reports it deduplicated, holding the channel row).
@@ -101,6 +107,45 @@ BEGIN
         RETURN;
     END LOOP;
     RAISE EXCEPTION 'schedule % kept changing while being set', p_name USING ERRCODE = '40001';
+END;
+$$;
+
+
+CREATE OR REPLACE FUNCTION schedule_remove(p_name TEXT) RETURNS BOOLEAN
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_message message;
+    v_channel channel;
+BEGIN
+    PERFORM schedule_check_name(p_name);
+    -- As schedule_set (see the top).
+    PERFORM pg_advisory_xact_lock_shared(channel_key('lonnymq.schedules'));
+    PERFORM pg_advisory_xact_lock(channel_key('lonnymq.schedules') # 2);
+    DELETE FROM message m
+    WHERE m.channel = 'lonnymq.schedules' AND m.dedup_key = p_name
+    RETURNING m.* INTO v_message;
+    IF NOT FOUND THEN
+        RETURN FALSE;
+    END IF;
+    -- As message_finish_try (0002): only a channel with a policy keeps counters.
+    PERFORM pg_advisory_xact_lock_shared(channel_key(v_message.channel));
+    IF NOT coalesce(
+            (SELECT c.has_policy FROM channel c WHERE c.name = v_message.channel), FALSE) THEN
+        RETURN TRUE;
+    END IF;
+    SELECT * INTO STRICT v_channel FROM channel c WHERE c.name = v_message.channel FOR UPDATE;
+    UPDATE channel c SET
+        current_size = c.current_size - 1,
+        current_concurrency = CASE
+            WHEN c.max_concurrency IS NULL THEN 0
+            WHEN v_message.is_locked THEN c.current_concurrency - 1
+            ELSE c.current_concurrency END,
+        next_dequeue_at = channel_next_at(c.name,
+            c.last_dequeue_at + coalesce(c.release_interval_ms, 0))
+    WHERE c.name = v_channel.name;
+    RETURN TRUE;
 END;
 $$;
 
