@@ -211,13 +211,16 @@ def test_a_handler_given_back_that_raises_later_does_not_stop_the_next_run(
 
 
 class _StoppingQueue(Queue):
-    """A queue whose worker is told to stop while it finishes one message and takes the next."""
+    """A queue whose worker is told to stop while it finishes one message and takes the next
+    (the call then takes ``delay`` seconds more)."""
 
     worker: Worker | None = None
+    delay = 0.0
 
     def complete_and_dequeue(self, *args: Any, **kwargs: Any) -> Any:
         assert self.worker is not None
         self.worker.stop()
+        time.sleep(self.delay)
         return super().complete_and_dequeue(*args, **kwargs)
 
 
@@ -225,10 +228,12 @@ class _StoppingAsyncQueue(AsyncQueue):
     """The same for an AsyncWorker."""
 
     worker: AsyncWorker | None = None
+    delay = 0.0
 
     async def complete_and_dequeue(self, *args: Any, **kwargs: Any) -> Any:
         assert self.worker is not None
         self.worker.stop()
+        await asyncio.sleep(self.delay)
         return await super().complete_and_dequeue(*args, **kwargs)
 
 
@@ -281,3 +286,51 @@ def test_an_async_message_taken_while_stopping_runs_within_the_grace_period(
     assert ran == [b"first", b"second"]
     assert (stats.completed, stats.given_back, stats.failed, stats.lost) == (2, 0, 0, 0)
     assert queue.stats() == []
+
+
+def test_a_message_taken_once_the_grace_period_is_over_is_given_back_unrun(
+    dsn: str, queue: Queue
+) -> None:
+    """The call that finishes one message and takes the next outlasts the grace period: the
+    next one is given back, never run, and run() returns only once it is (no lock left behind
+    a process that exits)."""
+    queue.create(b"first", channel="a")
+    queue.create(b"second", channel="a")
+    ran: list[bytes] = []
+    with _StoppingQueue(dsn, schema=queue.schema) as stopping:
+        stopping.delay = 1.0
+        worker = Worker(
+            stopping, lambda m: ran.append(m.content), concurrency=1, grace_s=0.3, idle_ms=50
+        )
+        stopping.worker = worker
+        stats = worker.run(handle_signals=False)
+        [channel] = queue.stats()
+    assert ran == [b"first"]
+    assert (stats.completed, stats.given_back, stats.lost) == (1, 1, 0)
+    assert (channel.size, channel.in_flight) == (1, 0)
+
+
+def test_an_async_message_taken_once_the_grace_period_is_over_is_given_back_unrun(
+    dsn: str, queue: Queue
+) -> None:
+    queue.create(b"first", channel="a")
+    queue.create(b"second", channel="a")
+    ran: list[bytes] = []
+
+    async def handler(message: AsyncMessage) -> None:
+        ran.append(message.content)
+
+    async def main() -> WorkerStats:
+        async with _StoppingAsyncQueue(dsn, schema=queue.schema) as stopping:
+            stopping.delay = 1.0
+            worker = AsyncWorker(stopping, handler, concurrency=1, grace_s=0.3, idle_ms=50)
+            stopping.worker = worker
+            return await worker.run(handle_signals=False)
+
+    started = time.monotonic()
+    stats = asyncio.run(main())
+    [channel] = queue.stats()
+    assert ran == [b"first"]
+    assert (stats.completed, stats.given_back, stats.lost) == (1, 1, 0)
+    assert (channel.size, channel.in_flight) == (1, 0)
+    assert time.monotonic() - started < 20  # the report was waited for, not cancelled at 30 s

@@ -69,6 +69,9 @@ class _Task:
     # Set once its handler has returned (or none runs): its outcome is being reported, so the
     # end of the grace period must not give the message back.
     reporting: bool = False
+    # A message taken once the grace period was over, being given back unrun: not renewed
+    # (once its give-back has committed, a renewal would call its lock lost).
+    giving_back: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -127,6 +130,7 @@ class Worker:
         # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
         # reporting when its message is taken again, as a second run of the same id.
         self._running: dict[_Task, None] = {}
+        self._grace_over = False
         self._rng = random.Random()
         self._clock_offset_ms = 0
 
@@ -153,6 +157,7 @@ class Worker:
             if self._stops != self._stops_seen:
                 self._stopping.set()  # a stop() that came in between
         self.stats = WorkerStats()  # this run's (a later run does not add to what it returned)
+        self._grace_over = False
         previous = self._install_signals() if handle_signals else {}
         helpers = [threading.Thread(target=self._heartbeats, daemon=True, name="lonnymq-hb")]
         if self.options.maintenance_ms is not None:
@@ -269,15 +274,29 @@ class Worker:
                     # One taken while stopping runs too, within the grace period: given back
                     # unrun, it would have spent an attempt (the dequeue counted one) that a
                     # later max_attempts check would hold against it.
+                    # Once the grace period is over (_shutdown has listed what to give back),
+                    # the next message is given back unrun instead, listed as being reported
+                    # so that _shutdown waits for it.
                     done = task
+                    give_back = following is not None and self._grace_over
                     if following is not None:
                         task = _Task(following)
+                        task.reporting = task.giving_back = give_back
                         self._running[task] = None
                     self.metrics.running = len(self._running)
                 done.done.set()
                 if following is None:
                     self._wake.set()
             if following is None:
+                return
+            if give_back:
+                try:
+                    self._give_back(following, "taken after the grace period")
+                finally:
+                    with self._lock:
+                        self._running.pop(task, None)
+                        self.metrics.running = len(self._running)
+                    task.done.set()
                 return
             self.metrics.count("dequeued", following.channel)
 
@@ -453,7 +472,9 @@ class Worker:
                 next_round = max(next_round + period, time.monotonic())
                 with self._lock:
                     tasks = [
-                        t for t in self._running if not (t.lost or t.abandoned or t.done.is_set())
+                        t
+                        for t in self._running
+                        if not (t.lost or t.abandoned or t.giving_back or t.done.is_set())
                     ]
                 if not tasks:
                     continue
@@ -538,6 +559,7 @@ class Worker:
             # A run whose handler has returned is reporting (perhaps retrying after a lost
             # connection): giving its message back too would race the report, and when the
             # give-back won, the finished work would run again.
+            self._grace_over = True
             tasks = [t for t in self._running if not t.done.is_set() and not t.reporting]
             for task in tasks:
                 task.abandoned = True
@@ -547,10 +569,16 @@ class Worker:
         wait_until = time.monotonic() + REPORT_WAIT_S
         for task in reporting:
             task.done.wait(max(0.0, wait_until - time.monotonic()))
+        # A report that took a message after the listing gives it back (_execute): wait for it.
+        while time.monotonic() < wait_until:
+            with self._lock:
+                if not self._running:
+                    break
+            time.sleep(0.02)
 
     def _give_back(self, message: Message, why: str) -> None:
-        """Unlock a message whose handler outlived the grace period (defer keeps its attempt count:
-        the attempt that ran is spent)."""
+        """Unlock a message whose handler outlived the grace period, or one taken once it was over
+        (defer keeps its attempt count: the dequeue's attempt is spent)."""
         try:
             message.defer()
             self._count("given_back", message.channel)

@@ -57,6 +57,9 @@ class _Run:
     # Set once its handler has returned (or none runs): its outcome is being reported, so the
     # end of the grace period must not give the message back.
     reporting: bool = False
+    # A message taken once the grace period was over, being given back unrun: not renewed
+    # (once its give-back has committed, a renewal would call its lock lost).
+    giving_back: bool = False
 
 
 def _fields(message: AsyncMessage) -> dict[str, object]:
@@ -115,6 +118,7 @@ class AsyncWorker:
         # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
         # reporting when its message is taken again, as a second run of the same id.
         self._running: dict[_Run, None] = {}
+        self._grace_over = False
         self._rng = random.Random()
         self._clock_offset_ms = 0
         self._threads: _HandlerThreads | None = None
@@ -138,6 +142,7 @@ class AsyncWorker:
         if self._stops == self._stops_seen:
             self._stopping.clear()
         self.stats = WorkerStats()  # this run's (a later run does not add to what it returned)
+        self._grace_over = False
         loop = asyncio.get_running_loop()
         signals = []
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -244,13 +249,23 @@ class AsyncWorker:
                 # while stopping runs too, within the grace period: given back unrun, it would
                 # have spent an attempt (the dequeue counted one) that a later max_attempts
                 # check would hold against it.
+                # Once the grace period is over (_shutdown has listed what to give back), the
+                # next message is given back unrun instead, listed as being reported.
+                give_back = following is not None and self._grace_over
                 if following is not None:
-                    run = _Run(following, task=run.task)
+                    run = _Run(following, task=run.task, reporting=give_back, giving_back=give_back)
                     self._running[run] = None
                 self.metrics.running = len(self._running)
                 if following is None:
                     self._wake.set()
             if following is None:
+                return
+            if give_back:
+                try:
+                    await self._give_back(following, "taken after the grace period")
+                finally:
+                    self._running.pop(run, None)
+                    self.metrics.running = len(self._running)
                 return
             self.metrics.count("dequeued", following.channel)
 
@@ -410,7 +425,7 @@ class AsyncWorker:
             while True:
                 await asyncio.sleep(max(0.0, next_round - time.monotonic()))
                 next_round = max(next_round + period, time.monotonic())
-                runs = [r for r in self._running if not (r.lost or r.abandoned)]
+                runs = [r for r in self._running if not (r.lost or r.abandoned or r.giving_back)]
                 if not runs:
                     continue
                 try:
@@ -486,6 +501,9 @@ class AsyncWorker:
         tasks = [r.task for r in runs if r.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=self.options.grace_s)
+        # No await between this and the listing below: a report that takes a message from now
+        # on gives it back (_execute), and its task, listed as reporting, is waited for.
+        self._grace_over = True
         reporting: list[asyncio.Task[None]] = []
         for run in [r for r in self._running if r.task is not None]:
             assert run.task is not None
@@ -506,8 +524,8 @@ class AsyncWorker:
                 task.cancel()
 
     async def _give_back(self, message: AsyncMessage, why: str) -> None:
-        """Unlock a message whose handler outlived the grace period (defer keeps its attempt count:
-        the attempt that ran is spent)."""
+        """Unlock a message whose handler outlived the grace period, or one taken once it was over
+        (defer keeps its attempt count: the dequeue's attempt is spent)."""
         try:
             await message.defer()
             self._count("given_back", message.channel)
