@@ -675,9 +675,10 @@ def _create(q: Queue, args: argparse.Namespace) -> int:
             at = args.dequeue_at
             if args.delay_ms is not None:
                 at = int(time.time() * 1000) + offset_ms + args.delay_ms
-            in_flight = len(batch)
-            # Until the batch's results are out: a signal waits for them.
+            # Until the batch's results are out: a signal waits for them. (In flight only from
+            # inside: a signal that comes before the batch is sent stops ahead of it.)
             with _signals_deferred() as signalled:
+                in_flight = len(batch)
                 results = q.create_many(
                     NewMessage(c, channel=args.channel, dequeue_at=at, dedup_key=args.dedup_key)
                     for c in batch

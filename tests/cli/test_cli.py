@@ -421,7 +421,7 @@ def test_create_interrupted_says_exactly_how_many_were_committed(
         if held == 0:
             assert said is None, err
             continue
-        assert said is not None, err
+        assert said is not None, (err, held)
         assert int(said[1].replace(b",", b"")) == held
 
 
