@@ -308,6 +308,7 @@ def test_a_message_taken_once_the_grace_period_is_over_is_given_back_unrun(
     assert ran == [b"first"]
     assert (stats.completed, stats.given_back, stats.lost) == (1, 1, 0)
     assert (channel.size, channel.in_flight) == (1, 0)
+    assert worker.metrics.counts()[("dequeued", "a")] == 2  # the one given back was taken
 
 
 def test_an_async_message_taken_once_the_grace_period_is_over_is_given_back_unrun(
@@ -320,11 +321,14 @@ def test_an_async_message_taken_once_the_grace_period_is_over_is_given_back_unru
     async def handler(message: AsyncMessage) -> None:
         ran.append(message.content)
 
+    workers: list[AsyncWorker] = []
+
     async def main() -> WorkerStats:
         async with _StoppingAsyncQueue(dsn, schema=queue.schema) as stopping:
             stopping.delay = 1.0
             worker = AsyncWorker(stopping, handler, concurrency=1, grace_s=0.3, idle_ms=50)
             stopping.worker = worker
+            workers.append(worker)
             return await worker.run(handle_signals=False)
 
     started = time.monotonic()
@@ -333,4 +337,82 @@ def test_an_async_message_taken_once_the_grace_period_is_over_is_given_back_unru
     assert ran == [b"first"]
     assert (stats.completed, stats.given_back, stats.lost) == (1, 1, 0)
     assert (channel.size, channel.in_flight) == (1, 0)
+    assert workers[0].metrics.counts()[("dequeued", "a")] == 2
     assert time.monotonic() - started < 20  # the report was waited for, not cancelled at 30 s
+
+
+def test_run_returns_soon_after_the_grace_period_beside_a_stuck_handler(
+    queue: Queue,
+) -> None:
+    """A handler stuck past the grace period is given back and not waited for: run() returns
+    about when the grace period ends, not after the 30 s allowed for reports."""
+    queue.create(b"stuck", channel="a")
+    started, release = threading.Event(), threading.Event()
+
+    def handler(message: Message) -> None:
+        started.set()
+        release.wait(60)
+
+    worker = Worker(queue, handler, concurrency=1, grace_s=0.3, idle_ms=50)
+
+    def stop_once_started() -> None:
+        started.wait(30)
+        worker.stop()
+
+    stopper = threading.Thread(target=stop_once_started)
+    stopper.start()
+    begun = time.monotonic()
+    try:
+        stats = worker.run(handle_signals=False)
+        took = time.monotonic() - begun
+    finally:
+        release.set()
+        stopper.join()
+    [channel] = queue.stats()
+    assert (stats.given_back, channel.in_flight) == (1, 0)
+    assert took < 20, took  # the reports' wait is 30 s
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_handler_deferring_its_own_message_is_not_counted_lost_while_reported(
+    dsn: str, queue: Queue, kind: str
+) -> None:
+    """Heartbeats go on while a finished handler's outcome is reported (a report may be
+    retried): a message the handler deferred itself is then no longer held, which is not a
+    lost lock."""
+    queue.create(b"x", channel="a")
+    if kind == "sync":
+
+        def handler(message: Message) -> None:
+            message.defer(dequeue_at=queue.now() + 3_600_000)
+
+        with _StoppingQueue(dsn, schema=queue.schema) as stopping:
+            stopping.delay = 0.5
+            worker = Worker(
+                stopping, handler, concurrency=1, grace_s=5, idle_ms=50, heartbeat_ms=100
+            )
+            stopping.worker = worker
+            stats = worker.run(handle_signals=False)
+    else:
+
+        async def async_handler(message: AsyncMessage) -> None:
+            await message.defer(dequeue_at=queue.now() + 3_600_000)
+
+        async def main() -> WorkerStats:
+            async with _StoppingAsyncQueue(dsn, schema=queue.schema) as stopping:
+                stopping.delay = 0.5
+                worker = AsyncWorker(
+                    stopping,
+                    async_handler,
+                    concurrency=1,
+                    grace_s=5,
+                    idle_ms=50,
+                    heartbeat_ms=100,
+                )
+                stopping.worker = worker
+                return await worker.run(handle_signals=False)
+
+        stats = asyncio.run(main())
+    assert stats.lost == 0
+    [channel] = queue.stats()
+    assert (channel.size, channel.in_flight) == (1, 0)

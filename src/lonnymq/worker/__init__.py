@@ -289,6 +289,7 @@ class Worker:
                     self._wake.set()
             if following is None:
                 return
+            self.metrics.count("dequeued", following.channel)
             if give_back:
                 try:
                     self._give_back(following, "taken after the grace period")
@@ -298,7 +299,6 @@ class Worker:
                         self.metrics.running = len(self._running)
                     task.done.set()
                 return
-            self.metrics.count("dequeued", following.channel)
 
     def _run(self, task: _Task) -> Message | None:
         """Run one message's handler and report its outcome; returns the next message when
@@ -501,7 +501,9 @@ class Worker:
     def _renewed(self, task: _Task, outcome: _policy.Renewal) -> None:
         if outcome is _policy.Renewal.RENEWED or task.done.is_set():
             return  # renewed, or finished during the call: nothing to renew
-        if outcome is not _policy.Renewal.LOST:
+        if outcome is not _policy.Renewal.LOST or task.reporting:
+            # (A run being reported: its handler has returned, perhaps after finishing or
+            # deferring the message itself; the report says whether it was still held.)
             log.debug("message %s: not renewed (%s)", task.message.id, outcome.value)
             return
         with self._lock:
@@ -572,7 +574,9 @@ class Worker:
         # A report that took a message after the listing gives it back (_execute): wait for it.
         while time.monotonic() < wait_until:
             with self._lock:
-                if not self._running:
+                # (Handlers that outlived the grace period are not waited for: their messages
+                # are given back and their threads left to die with the process.)
+                if all(t.abandoned for t in self._running):
                     break
             time.sleep(0.02)
 

@@ -260,6 +260,7 @@ class AsyncWorker:
                     self._wake.set()
             if following is None:
                 return
+            self.metrics.count("dequeued", following.channel)
             if give_back:
                 try:
                     await self._give_back(following, "taken after the grace period")
@@ -267,7 +268,6 @@ class AsyncWorker:
                     self._running.pop(run, None)
                     self.metrics.running = len(self._running)
                 return
-            self.metrics.count("dequeued", following.channel)
 
     async def _run(self, run: _Run) -> AsyncMessage | None:
         """Run one message's handler and report its outcome; returns the next message when
@@ -447,7 +447,10 @@ class AsyncWorker:
                     outcome = _policy.renewal(status, run.message, running)
                     if outcome is _policy.Renewal.RENEWED or run not in self._running:
                         continue  # renewed, or finished during the call: nothing to renew
-                    if outcome is not _policy.Renewal.LOST:
+                    if outcome is not _policy.Renewal.LOST or run.reporting:
+                        # (A run being reported: its handler has returned, perhaps after
+                        # finishing or deferring the message itself; the report says whether
+                        # it was still held.)
                         log.debug("message %s: not renewed (%s)", run.message.id, outcome.value)
                         continue
                     run.lost = True
