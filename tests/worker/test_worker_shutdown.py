@@ -13,6 +13,7 @@ import pytest
 from psycopg import sql
 
 from lonnymq import AsyncMessage, AsyncQueue, Message, Queue
+from lonnymq.errors import DatabaseUnavailableError
 from lonnymq.worker import AsyncWorker, Worker, WorkerStats
 
 GRACE_S = 0.5
@@ -416,3 +417,76 @@ def test_a_handler_deferring_its_own_message_is_not_counted_lost_while_reported(
     assert stats.lost == 0
     [channel] = queue.stats()
     assert (channel.size, channel.in_flight) == (1, 0)
+
+
+class _FlakyDeferQueue(Queue):
+    """A queue whose first defer fails as on a lost connection."""
+
+    failed = 0
+
+    def defer(self, *args: Any, **kwargs: Any) -> None:
+        if not self.failed:
+            self.failed += 1
+            raise DatabaseUnavailableError("connection lost (injected)")
+        super().defer(*args, **kwargs)
+
+
+class _FlakyDeferAsyncQueue(AsyncQueue):
+    failed = 0
+
+    async def defer(self, *args: Any, **kwargs: Any) -> None:
+        if not self.failed:
+            self.failed += 1
+            raise DatabaseUnavailableError("connection lost (injected)")
+        await super().defer(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_give_back_rides_out_a_lost_connection(dsn: str, queue: Queue, kind: str) -> None:
+    """A handler outlives the grace period and the first try at giving its message back fails
+    (a lost connection): it is tried again, as a report is, not left to its lock's expiry."""
+    queue.create(b"stuck", channel="a")
+    release = threading.Event()
+    if kind == "sync":
+        started = threading.Event()
+
+        def handler(message: Message) -> None:
+            started.set()
+            release.wait(60)
+
+        with _FlakyDeferQueue(dsn, schema=queue.schema) as flaky:
+            worker = Worker(flaky, handler, concurrency=1, grace_s=0.3, idle_ms=50)
+
+            def stop_once_started() -> None:
+                started.wait(30)
+                worker.stop()
+
+            stopper = threading.Thread(target=stop_once_started)
+            stopper.start()
+            try:
+                stats = worker.run(handle_signals=False)
+            finally:
+                release.set()
+                stopper.join()
+            assert flaky.failed == 1
+    else:
+
+        async def main() -> WorkerStats:
+            async with _FlakyDeferAsyncQueue(dsn, schema=queue.schema) as flaky:
+                running = asyncio.Event()
+
+                async def async_handler(message: AsyncMessage) -> None:
+                    running.set()
+                    await asyncio.sleep(60)
+
+                worker = AsyncWorker(flaky, async_handler, concurrency=1, grace_s=0.3, idle_ms=50)
+                task = asyncio.create_task(worker.run(handle_signals=False))
+                await asyncio.wait_for(running.wait(), 30)
+                worker.stop()
+                result = await task
+                assert flaky.failed == 1
+                return result
+
+        stats = asyncio.run(main())
+    [channel] = queue.stats()
+    assert (stats.given_back, channel.size, channel.in_flight) == (1, 1, 0)

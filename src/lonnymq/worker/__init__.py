@@ -582,15 +582,33 @@ class Worker:
 
     def _give_back(self, message: Message, why: str) -> None:
         """Unlock a message whose handler outlived the grace period, or one taken once it was over
-        (defer keeps its attempt count: the dequeue's attempt is spent)."""
-        try:
-            message.defer()
+        (defer keeps its attempt count: the dequeue's attempt is spent). A lost connection or
+        a deadlock is ridden out as a report is (the pool reconnects)."""
+        for attempt in range(1, REPORT_TRIES + 1):
+            try:
+                message.defer()
+            except DatabaseError as err:
+                if attempt < REPORT_TRIES:
+                    delay = _policy.reconnect_delay(attempt)
+                    log.warning("give-back failed (%s); trying again in %.1fs", err, delay)
+                    time.sleep(delay)
+                    continue
+                log.error(
+                    "message %s could not be given back (%s); its lock will expire",
+                    message.id,
+                    err,
+                )
+                return
+            except LonnyMQError as err:
+                log.error(
+                    "message %s could not be given back (%s); its lock will expire",
+                    message.id,
+                    err,
+                )
+                return
             self._count("given_back", message.channel)
             log.warning("message %s given back: %s", message.id, why, extra=_fields(message))
-        except LonnyMQError as err:
-            log.error(
-                "message %s could not be given back (%s); its lock will expire", message.id, err
-            )
+            return
 
 
 async def _awaited(result: Any) -> None:
