@@ -587,19 +587,12 @@ class Worker:
         for attempt in range(1, REPORT_TRIES + 1):
             try:
                 message.defer()
-            except DatabaseError as err:
-                if attempt < REPORT_TRIES:
+            except LonnyMQError as err:
+                if isinstance(err, DatabaseError) and attempt < REPORT_TRIES:
                     delay = _policy.reconnect_delay(attempt)
                     log.warning("give-back failed (%s); trying again in %.1fs", err, delay)
                     time.sleep(delay)
                     continue
-                log.error(
-                    "message %s could not be given back (%s); its lock will expire",
-                    message.id,
-                    err,
-                )
-                return
-            except LonnyMQError as err:
                 log.error(
                     "message %s could not be given back (%s); its lock will expire",
                     message.id,
