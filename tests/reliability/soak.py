@@ -478,8 +478,8 @@ class _Thief:
                 self.accepted_stale += 1
         except (MessageNotFoundError, StaleMessageError):
             self.refused += 1
-        except LonnyMQError:
-            pass  # the server went away meanwhile
+        except (LonnyMQError, psycopg.Error):
+            pass  # the server went away meanwhile (the raw INSERT raises psycopg's own error)
 
     def close(self) -> None:
         if self.thread is not None:
