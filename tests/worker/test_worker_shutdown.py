@@ -342,12 +342,9 @@ def test_an_async_message_taken_once_the_grace_period_is_over_is_given_back_unru
     assert time.monotonic() - started < 20  # the report was waited for, not cancelled at 30 s
 
 
-def test_run_returns_soon_after_the_grace_period_beside_a_stuck_handler(
-    queue: Queue,
-) -> None:
-    """A handler stuck past the grace period is given back and not waited for: run() returns
-    about when the grace period ends, not after the 30 s allowed for reports."""
-    queue.create(b"stuck", channel="a")
+def _run_stuck(queue: Queue) -> tuple[WorkerStats, float]:
+    """Run a Worker (grace_s 0.3) whose handler blocks until run() has returned, stopped once
+    the handler has started: its stats, and how long run() took."""
     started, release = threading.Event(), threading.Event()
 
     def handler(message: Message) -> None:
@@ -365,10 +362,19 @@ def test_run_returns_soon_after_the_grace_period_beside_a_stuck_handler(
     begun = time.monotonic()
     try:
         stats = worker.run(handle_signals=False)
-        took = time.monotonic() - begun
+        return stats, time.monotonic() - begun
     finally:
         release.set()
         stopper.join()
+
+
+def test_run_returns_soon_after_the_grace_period_beside_a_stuck_handler(
+    queue: Queue,
+) -> None:
+    """A handler stuck past the grace period is given back and not waited for: run() returns
+    about when the grace period ends, not after the 30 s allowed for reports."""
+    queue.create(b"stuck", channel="a")
+    stats, took = _run_stuck(queue)
     [channel] = queue.stats()
     assert (stats.given_back, channel.in_flight) == (1, 0)
     assert took < 20, took  # the reports' wait is 30 s
@@ -446,28 +452,9 @@ def test_a_give_back_rides_out_a_lost_connection(dsn: str, queue: Queue, kind: s
     """A handler outlives the grace period and the first try at giving its message back fails
     (a lost connection): it is tried again, as a report is, not left to its lock's expiry."""
     queue.create(b"stuck", channel="a")
-    release = threading.Event()
     if kind == "sync":
-        started = threading.Event()
-
-        def handler(message: Message) -> None:
-            started.set()
-            release.wait(60)
-
         with _FlakyDeferQueue(dsn, schema=queue.schema) as flaky:
-            worker = Worker(flaky, handler, concurrency=1, grace_s=0.3, idle_ms=50)
-
-            def stop_once_started() -> None:
-                started.wait(30)
-                worker.stop()
-
-            stopper = threading.Thread(target=stop_once_started)
-            stopper.start()
-            try:
-                stats = worker.run(handle_signals=False)
-            finally:
-                release.set()
-                stopper.join()
+            stats, _ = _run_stuck(flaky)
             assert flaky.failed == 1
     else:
 
