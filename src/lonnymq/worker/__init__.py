@@ -205,6 +205,7 @@ class Worker:
 
     def _loop(self, until_idle: bool) -> None:
         failures = 0
+        empties = 0  # empty answers in a row
         measured = False
         while not self._stopping.is_set():
             with self._lock:
@@ -230,10 +231,13 @@ class Worker:
             for message in batch.messages:
                 self._start(message)
             if batch.messages:
+                empties = 0
                 continue
             if idle:
                 return
-            wait_ms = _policy.sleep_ms(batch.retry_at, self._db_now(), self.options.idle_ms)
+            wait_ms, empties = _policy.sleep_ms(
+                batch.retry_at, self._db_now(), self.options.idle_ms, empties
+            )
             self._wake.wait(wait_ms / 1000)
             self._wake.clear()
 

@@ -183,6 +183,7 @@ class AsyncWorker:
 
     async def _loop(self, until_idle: bool) -> None:
         failures = 0
+        empties = 0  # empty answers in a row
         measured = False
         while not self._stopping.is_set():
             free = self.options.concurrency - len(self._running)
@@ -210,10 +211,13 @@ class AsyncWorker:
                 self.metrics.count("dequeued", message.channel)
                 run.task = asyncio.create_task(self._execute(run))
             if batch.messages:
+                empties = 0
                 continue
             if idle:
                 return
-            wait_ms = _policy.sleep_ms(batch.retry_at, self._db_now(), self.options.idle_ms)
+            wait_ms, empties = _policy.sleep_ms(
+                batch.retry_at, self._db_now(), self.options.idle_ms, empties
+            )
             await self._sleep(wait_ms / 1000)
 
     async def _idle(self, retry_at: int | None) -> bool:
