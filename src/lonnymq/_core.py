@@ -262,22 +262,39 @@ def priority_to_dequeue_at(priority: object, dequeue_at: object) -> object:
 # PGCONNECT_TIMEOUT) says otherwise: libpq waits for ever by default, so a server that accepts
 # the connection and never answers would hang the caller.
 DEFAULT_CONNECT_TIMEOUT_S = 10
+# TCP keepalives, unless the string sets any: libpq leaves their timing to the system (on
+# Linux the first probe comes after two hours idle), so a connection whose server vanished
+# without closing it (a host lost, a network cut) would look alive for hours. With these, an
+# idle one is found dead within a minute.
+DEFAULT_KEEPALIVES = {"keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
+# Milliseconds sent data may stay unacknowledged before the connection is dropped (libpq 12
+# and later): a statement sent to such a server fails after this instead of after the
+# system's retransmissions (about 15 minutes), so a worker's heartbeats and reports reconnect.
+DEFAULT_TCP_USER_TIMEOUT_MS = 60_000
 
 
-def with_connect_timeout(dsn: str) -> str:
-    """``dsn`` with ``connect_timeout=DEFAULT_CONNECT_TIMEOUT_S`` when neither it nor the
-    environment sets a connect timeout, and it names no service (a service file may set one,
-    which an added setting would override). A string that does not parse is returned as it
-    is: the first connection says what is wrong with it."""
-    if os.environ.get("PGCONNECT_TIMEOUT") or os.environ.get("PGSERVICE"):
+def with_client_timeouts(dsn: str) -> str:
+    """``dsn`` with the client's timeouts added where it and the environment set none:
+    ``connect_timeout=DEFAULT_CONNECT_TIMEOUT_S``, the TCP keepalives of
+    ``DEFAULT_KEEPALIVES`` and ``tcp_user_timeout``. A string that names a service gets none
+    (the service file may set them, and an added setting would override it); one that does
+    not parse is returned as it is: the first connection says what is wrong with it."""
+    if os.environ.get("PGSERVICE"):
         return dsn
     try:
         params = conninfo_to_dict(dsn)
-        if "connect_timeout" in params or "service" in params:
-            return dsn
-        return make_conninfo(dsn, connect_timeout=DEFAULT_CONNECT_TIMEOUT_S)
     except psycopg.ProgrammingError:
         return dsn
+    if "service" in params:
+        return dsn
+    added: dict[str, int] = {}
+    if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):
+        added["connect_timeout"] = DEFAULT_CONNECT_TIMEOUT_S
+    if not any(key.startswith("keepalives") for key in params):
+        added.update(DEFAULT_KEEPALIVES)
+    if "tcp_user_timeout" not in params and psycopg.pq.version() >= 120000:
+        added["tcp_user_timeout"] = DEFAULT_TCP_USER_TIMEOUT_MS
+    return make_conninfo(dsn, **added) if added else dsn
 
 
 def conflict_backoff_s(attempt: int) -> float:

@@ -428,11 +428,11 @@ def _run(args: argparse.Namespace) -> int:
                 else replace(bench_long_txn.DEFAULT, hold=args.hold)
             )
             bench_long_txn.run_long_txn(
-                _core.with_connect_timeout(resolve_dsn(args.dsn)), settings, out=args.out
+                _core.with_client_timeouts(resolve_dsn(args.dsn)), settings, out=args.out
             )
             return 0
         run_bench(
-            _core.with_connect_timeout(resolve_dsn(args.dsn)),
+            _core.with_client_timeouts(resolve_dsn(args.dsn)),
             profile="quick" if args.quick else "default",
             out=args.out,
             spark_only=args.spark_only,

@@ -44,7 +44,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ._core import with_connect_timeout
+from ._core import with_client_timeouts
 from .embedded import resolve_dsn
 from .queue import Message, Queue
 from .worker import Backoff, Worker
@@ -435,7 +435,7 @@ def run_demo(
     )
     with display.step("Starting PostgreSQL") as step:
         embedded = not (dsn or os.environ.get("LONNYMQ_DSN"))
-        dsn = with_connect_timeout(resolve_dsn(dsn))
+        dsn = with_client_timeouts(resolve_dsn(dsn))
         for schema in (NOTIFY_SCHEMA, ORDERS_SCHEMA):
             _reset_schema(dsn, schema)
         with psycopg.connect(dsn) as conn:

@@ -275,7 +275,7 @@ class Queue:
         self._event_channel = _core.check_event_channel(event_channel)
         if not isinstance(pool_size, int) or pool_size < 1:
             raise InvalidArgumentError(f"pool_size must be a positive int, got {pool_size!r}")
-        self._dsn = None if dsn is None else _core.with_connect_timeout(dsn)
+        self._dsn = None if dsn is None else _core.with_client_timeouts(dsn)
         # Set by embedded(): the data directory whose server to start at first use.
         self._data_dir: Path | None = None
         self._pool_size = pool_size
@@ -322,12 +322,13 @@ class Queue:
     @property
     def dsn(self) -> str:
         """The connection string in use: the one given, with a ``connect_timeout`` of 10 s
-        added when neither it nor ``PGCONNECT_TIMEOUT`` sets one and it names no service
+        added when neither it nor ``PGCONNECT_TIMEOUT`` sets one, TCP keepalives when it sets
+        none and a ``tcp_user_timeout`` of 60 s when it sets none, unless it names a service
         (``service=``, ``PGSERVICE``). With none given it is resolved when
         first needed: read before the first call, it starts the embedded server (if that is
         where it points) in this thread, blocking it while the server starts."""
         if self._dsn is None:
-            self._dsn = _core.with_connect_timeout(self._resolve_dsn())
+            self._dsn = _core.with_client_timeouts(self._resolve_dsn())
         return self._dsn
 
     def _resolve_dsn(self) -> str:
@@ -368,7 +369,7 @@ class Queue:
                 if self._dsn is None:
                     # Starting the embedded server takes seconds: off the event loop, if any.
                     resolved = self._resolve_dsn()
-                    self._dsn = _core.with_connect_timeout(resolved)
+                    self._dsn = _core.with_client_timeouts(resolved)
                 self._probe()
                 pool = ConnectionPool(
                     self.dsn,

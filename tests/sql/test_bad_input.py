@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import socket
 import threading
 import time
@@ -777,10 +778,19 @@ def _silent_server() -> Iterator[int]:
         listener.close()
 
 
-def test_connect_timeout_is_added_unless_one_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+ADDED = {
+    "connect_timeout": "10",
+    "keepalives_idle": "30",
+    "keepalives_interval": "10",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "60000",
+}
+
+
+def test_client_timeouts_are_added_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
     monkeypatch.delenv("PGSERVICE", raising=False)
-    assert conninfo_to_dict(Queue("host=h dbname=d").dsn)["connect_timeout"] == "10"
+    assert conninfo_to_dict(Queue("host=h dbname=d").dsn) == {"host": "h", "dbname": "d", **ADDED}
     # A service file may set its own: an added setting would override it.
     assert Queue("service=billing").dsn == "service=billing"
     assert conninfo_to_dict(Queue("postgresql://u@h:5/d").dsn) == {
@@ -788,15 +798,101 @@ def test_connect_timeout_is_added_unless_one_is_set(monkeypatch: pytest.MonkeyPa
         "host": "h",
         "port": "5",
         "dbname": "d",
-        "connect_timeout": "10",
+        **ADDED,
     }
-    assert Queue("host=h connect_timeout=3").dsn == "host=h connect_timeout=3"
+    # What the string sets is kept; any keepalive setting leaves all of them to it.
+    assert conninfo_to_dict(
+        Queue("host=h connect_timeout=3 keepalives=0 tcp_user_timeout=5").dsn
+    ) == {"host": "h", "connect_timeout": "3", "keepalives": "0", "tcp_user_timeout": "5"}
+    assert conninfo_to_dict(Queue("host=h keepalives_idle=7").dsn) == {
+        "host": "h",
+        "keepalives_idle": "7",
+        "connect_timeout": "10",
+        "tcp_user_timeout": "60000",
+    }
     assert Queue("not a dsn").dsn == "not a dsn"  # refused at first use, with its cause
     monkeypatch.setenv("PGSERVICE", "billing")
     assert Queue("host=h dbname=d").dsn == "host=h dbname=d"
     monkeypatch.delenv("PGSERVICE")
     monkeypatch.setenv("PGCONNECT_TIMEOUT", "4")
-    assert Queue("host=h dbname=d").dsn == "host=h dbname=d"
+    without_connect = {k: v for k, v in ADDED.items() if k != "connect_timeout"}
+    assert conninfo_to_dict(Queue("host=h dbname=d").dsn) == {
+        "host": "h",
+        "dbname": "d",
+        **without_connect,
+    }
+
+
+@contextlib.contextmanager
+def _tcp_relay(dsn: str) -> Iterator[str]:
+    """A connection string reaching the server of ``dsn`` over TCP on 127.0.0.1, through a
+    relay (the embedded server listens on a Unix socket only)."""
+    params = conninfo_to_dict(dsn)
+    host = str(params.get("host") or "/tmp")
+    port = int(params.get("port") or 5432)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.1)
+    stop = threading.Event()
+    sockets: list[socket.socket] = []
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                client = listener.accept()[0]
+            except TimeoutError:
+                continue
+            if host.startswith("/"):
+                server = socket.socket(socket.AF_UNIX)
+                server.connect(f"{host}/.s.PGSQL.{port}")
+            else:
+                server = socket.create_connection((host, port))
+            sockets.extend((client, server))
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    params.update(host="127.0.0.1", port=str(listener.getsockname()[1]))
+    params.pop("hostaddr", None)
+    try:
+        yield make_conninfo("", **params)
+    finally:
+        stop.set()
+        thread.join()
+        for sock in sockets:
+            sock.close()
+        listener.close()
+
+
+def test_the_pools_tcp_connections_carry_the_keepalives(
+    dsn: str, schema_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settings reach the sockets: an idle connection whose server vanished is found
+    dead in about a minute, not after the system's two hours."""
+    monkeypatch.delenv("PGSERVICE", raising=False)
+    bare = {k: v for k, v in conninfo_to_dict(dsn).items() if not k.startswith("keepalives")}
+    bare.pop("tcp_user_timeout", None)
+    with (
+        _tcp_relay(make_conninfo("", **bare)) as relayed,
+        Queue(relayed, schema=schema_name) as queue,
+        queue.transaction() as conn,
+        socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock,
+    ):
+        assert sock.family == socket.AF_INET
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 10
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 60_000
 
 
 @pytest.mark.parametrize("queue_class", [Queue, AsyncQueue])

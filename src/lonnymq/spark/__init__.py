@@ -70,7 +70,7 @@ def snapshot(dsn: str | None = None) -> Iterator[str]:
     dsn = dsn or os.environ.get(DSN_ENV)
     if not dsn:
         raise InvalidArgumentError(f"snapshot() needs a dsn (or {DSN_ENV})")
-    with psycopg.connect(_core.with_connect_timeout(dsn)) as conn:
+    with psycopg.connect(_core.with_client_timeouts(dsn)) as conn:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True
         with conn.transaction():

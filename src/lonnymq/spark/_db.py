@@ -40,7 +40,7 @@ def connect(conn: Connection, *, autocommit: bool = True) -> Conn:
     """A new connection to the queue's database."""
     try:
         db = psycopg.connect(
-            _core.with_connect_timeout(conn.dsn),
+            _core.with_client_timeouts(conn.dsn),
             autocommit=True,
             application_name="lonnymq-spark",
         )
