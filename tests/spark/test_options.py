@@ -45,6 +45,7 @@ WRITE_CASES: dict[str, tuple[dict[str, str | None], str]] = {
     "missing column": ({"contentColumn": "body"}, "'contentColumn' names column 'body'"),
     "wrong column type": ({"dequeueAtColumn": "channel"}, "must be an integer .* or timestamp"),
     "conflicting options": ({"channel": "x"}, "'channel' .* and 'channelColumn' .* cannot"),
+    "reserved channel": ({"channel": "lonnymq.schedules"}, "'channel'.* reserved for schedules"),
 }
 
 
@@ -54,6 +55,7 @@ NEED_INSTALL = {
     "missing column",
     "wrong column type",
     "conflicting options",
+    "reserved channel",
 }
 
 

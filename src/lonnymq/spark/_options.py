@@ -284,7 +284,7 @@ def write_options(
     channel = _text(options, "channel")
     if channel is not None:
         try:
-            _core.check_channel(channel)
+            _core.check_target_channel(channel)
         except InvalidArgumentError as err:
             raise InvalidArgumentError(f"lonnymq option 'channel': {err}") from None
         if _text(options, "channelColumn") is not None:

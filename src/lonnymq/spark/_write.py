@@ -113,7 +113,8 @@ def _epoch_ms(column: pa.Array) -> pa.Array:
 
 def _check_reserved(opts: WriteOptions, batch: pa.RecordBatch) -> None:
     """Refuse rows whose channel column names the schedules' reserved channel: a driver there
-    is a schedule, which a write must not make (the ``channel`` option was checked)."""
+    is a schedule, which a write must not make (``write_options`` refuses it as the
+    ``channel`` option)."""
     if opts.channel_column is None:
         return
     import pyarrow as pa
