@@ -589,3 +589,27 @@ def test_batch_waiting_counts_a_policy_free_channel_dequeued_since_the_start(
     assert queue.dequeue(lock_ms=60_000) is not None  # next time: now, past due_by
     [(channels, _, _)] = _call(admin, queue.schema, "spark_batch_waiting", params)
     assert channels == 1
+
+
+def test_an_executor_connection_the_server_ended_is_opened_again(
+    dsn: str, queue: Queue, admin: Conn
+) -> None:
+    """Spark reuses its Python workers across tasks: a connection cached by one task whose
+    session the server then ended (a restart, pg_terminate_backend) failed the next task's
+    first statement, and in local mode the whole job."""
+    from lonnymq.spark._options import Connection
+
+    where = Connection(dsn=dsn, schema=queue.schema)
+    first = _db.executor_connection(where)
+    pid = first.info.backend_pid
+    assert _db.executor_connection(where) is first  # a live one is kept
+    admin.execute("SELECT pg_terminate_backend(%s, 10000)", [pid])
+    again = _db.executor_connection(where)
+    try:
+        assert again.info.backend_pid != pid
+        assert again.execute("SELECT 1").fetchone() == (1,)
+        again.rollback()
+        assert not again.autocommit  # callers run transactions
+        assert _db.executor_connection(where) is again
+    finally:
+        again.close()

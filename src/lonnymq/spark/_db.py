@@ -63,17 +63,32 @@ _cache: dict[tuple[int, str], Conn] = {}
 
 def executor_connection(conn: Connection) -> Conn:
     """A connection kept for this process (Spark reuses its Python workers across tasks),
-    opened again when it was closed or broken. Not in autocommit: callers run transactions."""
+    opened again when it was closed, broken or no longer answers (the server restarted or
+    ended the session since the last task: the next statement would fail the task). Not in
+    autocommit: callers run transactions."""
     key = (os.getpid(), conn.dsn)
     with _cache_lock:
         cached = _cache.get(key)
         if cached is not None and not cached.closed and not cached.broken:
-            if cached.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+            if cached.info.transaction_status == psycopg.pq.TransactionStatus.IDLE and _answers(
+                cached
+            ):
                 return cached
             cached.close()
         fresh = connect(conn, autocommit=False)
         _cache[key] = fresh
         return fresh
+
+
+def _answers(db: Conn) -> bool:
+    """Whether an idle connection still answers: one empty statement, no transaction."""
+    try:
+        db.autocommit = True
+        db.execute("")
+        db.autocommit = False
+    except psycopg.Error:
+        return False
+    return True
 
 
 @contextmanager
