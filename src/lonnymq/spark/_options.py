@@ -251,10 +251,20 @@ def _mapped(
     kinds: set[str],
     describe: str,
 ) -> str | None:
-    """The column an option maps (its default only when that column exists)."""
+    """The column an option maps (its default only when that column exists). Names match as
+    Spark resolves them by default: exactly, else ignoring case (two columns that differ only
+    in case, neither an exact match, are ambiguous)."""
     explicit = _text(options, option)
     name = explicit or default
     found = columns.get(name)
+    if found is None:
+        folded = [c for c in columns.values() if c.name.lower() == name.lower()]
+        if len(folded) > 1:
+            raise InvalidArgumentError(
+                f"lonnymq option {option!r}: column {name!r} is ambiguous, the DataFrame has "
+                f"{' and '.join(repr(c.name) for c in folded)}; name one exactly"
+            )
+        found = folded[0] if folded else None
     if found is None:
         if explicit is not None:
             raise InvalidArgumentError(
