@@ -15,6 +15,7 @@ from pyspark.sql import functions as F
 
 from lonnymq import NewMessage, Queue
 from lonnymq.errors import InvalidArgumentError
+from lonnymq.spark import snapshot
 
 
 @contextmanager
@@ -90,6 +91,25 @@ READ_CASES: dict[str, tuple[dict[str, str | None], str]] = {
     "bad table": ({"table": "messages"}, "'table' must be 'message' or 'archive'"),
     "option of another direction": ({"writeId": "w"}, "(?i)unknown .*'writeId'.* for spark.read"),
 }
+
+
+def test_a_snapshot_that_is_not_open_fails_at_load_naming_the_option(
+    spark: SparkSession, queue: Queue, options: dict[str, Any]
+) -> None:
+    """A made-up id, or one whose ``with snapshot()`` block has ended, failed only at the
+    action, with the server's "invalid snapshot identifier" and no word of the option."""
+    with snapshot(options["dsn"]) as ended:
+        pass
+    for bad in ("bogus", ended):
+        reader = spark.read.format("lonnymq").options(**options, snapshot=bad)
+        with (
+            _no_job_runs(spark),
+            pytest.raises(
+                Exception,
+                match=r"option 'snapshot': (invalid snapshot identifier|snapshot .* does not)",
+            ),
+        ):
+            reader.load()
 
 
 @pytest.mark.parametrize("case", list(READ_CASES))

@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 
 from .. import _core, migrate
-from ..errors import SchemaNotInstalledError, SchemaVersionError, translate
+from ..errors import InvalidArgumentError, SchemaNotInstalledError, SchemaVersionError, translate
 from ._options import Connection
 
 __all__ = ["SPARK_SCHEMA_VERSION", "check_installed", "connect", "executor_connection", "run"]
@@ -78,6 +78,28 @@ def executor_connection(conn: Connection) -> Conn:
         fresh = connect(conn, autocommit=False)
         _cache[key] = fresh
         return fresh
+
+
+def enter_snapshot(db: Conn, snapshot: str) -> None:
+    """Make the transaction just begun on ``db`` see the exported ``snapshot``; an id that
+    names no snapshot open now raises :class:`InvalidArgumentError` naming the option."""
+    db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    try:
+        db.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+    except psycopg.OperationalError:
+        raise
+    except psycopg.DatabaseError as err:  # the statement fails only for the id it names
+        raise InvalidArgumentError(
+            f"lonnymq option 'snapshot': {err.diag.message_primary or err}; an id from "
+            "lonnymq.spark.snapshot() is valid only while its with block is open, so run the "
+            "Spark action inside it"
+        ) from None
+
+
+def check_snapshot(conn: Connection, snapshot: str) -> None:
+    """Refuse, on the driver, a ``snapshot`` option that names no snapshot open now."""
+    with connect(conn, autocommit=False) as db, translated(conn.schema), db.transaction():
+        enter_snapshot(db, snapshot)
 
 
 def _answers(db: Conn) -> bool:

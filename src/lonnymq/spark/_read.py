@@ -13,8 +13,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from psycopg import sql
-
 from ..errors import InvalidArgumentError
 from . import _db
 from ._errors import ConsumerBusyError, ConsumerOwnedError
@@ -119,8 +117,7 @@ def _snapshot_transaction(db: _db.Conn, conn: Connection, snapshot: str | None) 
     """A transaction, in the exported snapshot when one is given."""
     with _db.translated(conn.schema), db.transaction():
         if snapshot is not None:
-            db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            db.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+            _db.enter_snapshot(db, snapshot)
         yield
 
 

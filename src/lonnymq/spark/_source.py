@@ -126,6 +126,9 @@ class LonnyMQDataSource(DataSource):
         # Checked here, on the driver, before any job runs; the rest is checked per direction.
         self._conn = check_all(self.options)
         _db.check_installed(self._conn)
+        snapshot = self.options.get("snapshot")
+        if snapshot:
+            _db.check_snapshot(self._conn, snapshot)
 
     def _table(self) -> Table:
         value = str(self.options.get("table") or "message").lower()
