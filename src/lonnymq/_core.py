@@ -171,17 +171,31 @@ def check_claim(message_id: object, num_attempts: object) -> tuple[int, int]:
     return message_id, num_attempts  # type: ignore[return-value]
 
 
-def check_message(message: object) -> tuple[int, int]:
-    """(id, num_attempts) of a message you hold, checked (anything else is refused)."""
+def check_message(message: object, *, schema: str) -> tuple[int, int]:
+    """(id, num_attempts) of a message you hold, checked (anything else is refused), for the
+    queue in ``schema``."""
     if not hasattr(message, "id") or not hasattr(message, "num_attempts"):
         raise InvalidArgumentError(
             f"expected a message returned by dequeue, got {type(message).__name__}"
         )
-    return check_claim(message.id, message.num_attempts)
+    claim = check_claim(message.id, message.num_attempts)
+    _check_same_queue(message, schema)
+    return claim
 
 
-def check_claims(messages: object) -> list[tuple[int, int]]:
-    """(id, num_attempts) of each message of a batch, checked."""
+def _check_same_queue(message: object, schema: str) -> None:
+    """Refuse a message taken from the queue of another schema: ids are numbered per queue,
+    so its id would name an unrelated message of this one (and finish it)."""
+    origin = getattr(getattr(message, "queue", None), "schema", None)
+    if isinstance(origin, str) and origin != schema:
+        raise InvalidArgumentError(
+            f"message {getattr(message, 'id', None)} was taken from the queue in schema "
+            f"{origin!r}, not this one ({schema!r}): finish it with the queue it came from"
+        )
+
+
+def check_claims(messages: object, *, schema: str) -> list[tuple[int, int]]:
+    """(id, num_attempts) of each message of a batch, checked, for the queue in ``schema``."""
     if isinstance(messages, bytes | str) or not isinstance(messages, Iterable):
         raise InvalidArgumentError(
             f"expected a sequence of messages, got {type(messages).__name__}"
@@ -191,6 +205,7 @@ def check_claims(messages: object) -> list[tuple[int, int]]:
         message_id = getattr(message, "id", None)
         num_attempts = getattr(message, "num_attempts", None)
         claims.append(check_claim(message_id, num_attempts))
+        _check_same_queue(message, schema)
     if len(claims) > MAX_BATCH:
         raise InvalidArgumentError(f"at most {MAX_BATCH} messages per call, got {len(claims)}")
     return claims

@@ -722,7 +722,7 @@ class Queue:
         ``stale`` and left alone, as in :meth:`delete_many`); the rest is as
         :meth:`dequeue_batch`.
         """
-        claims = _core.check_claims(done)
+        claims = _core.check_claims(done, schema=self._schema)
         params = {
             "ids": [c[0] for c in claims],
             "num_attempts": [c[1] for c in claims],
@@ -756,7 +756,7 @@ class Queue:
         self, message: Message, *, lock_ms: int, conn: Connection[Any] | None = None
     ) -> int:
         """Extend the lock of a message you hold to now + ``lock_ms``; returns the unlock time."""
-        message_id, attempts = _core.check_message(message)
+        message_id, attempts = _core.check_message(message, schema=self._schema)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -767,14 +767,14 @@ class Queue:
 
     def delete(self, message: Message, *, conn: Connection[Any] | None = None) -> None:
         """Finish a message you hold and free its channel slot."""
-        message_id, attempts = _core.check_message(message)
+        message_id, attempts = _core.check_message(message, schema=self._schema)
         params = {"id": message_id, "num_attempts": attempts, "outcome": "completed", "error": None}
         self._fetch("message_delete", params, conn)
 
     def fail(self, message: Message, *, error: str, conn: Connection[Any] | None = None) -> None:
         """Finish a message you hold as failed: it leaves the queue (and is archived with
         outcome ``failed`` and ``error`` when the archive is on)."""
-        message_id, attempts = _core.check_message(message)
+        message_id, attempts = _core.check_message(message, schema=self._schema)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -796,7 +796,7 @@ class Queue:
 
         When ``channel`` is at its ``max_size`` nothing is done and :class:`ChannelFullError`
         is raised: the message stays held by you (and comes back when its lock expires)."""
-        message_id, _ = _core.check_message(message)
+        message_id, _ = _core.check_message(message, schema=self._schema)
         target = _core.check_target_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
@@ -821,7 +821,7 @@ class Queue:
         conn: Connection[Any] | None = None,
     ) -> None:
         """Give back a message you hold; see :meth:`Message.defer`."""
-        message_id, attempts = _core.check_message(message)
+        message_id, attempts = _core.check_message(message, schema=self._schema)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -838,7 +838,7 @@ class Queue:
         A message whose lock was lost is reported ``stale`` and left alone; the others are
         still finished.
         """
-        claims = _core.check_claims(messages)
+        claims = _core.check_claims(messages, schema=self._schema)
         if not claims:
             return []
         params = {"ids": [c[0] for c in claims], "num_attempts": [c[1] for c in claims]}
@@ -853,7 +853,7 @@ class Queue:
     ) -> list[AckStatus]:
         """Extend the locks of many messages you hold to now + ``lock_ms`` in one call; one
         status per message, in order (``stale``: its lock was lost, and it is left alone)."""
-        claims = _core.check_claims(messages)
+        claims = _core.check_claims(messages, schema=self._schema)
         lock = _core.check_lock_ms(lock_ms)
         if not claims:
             return []
@@ -872,7 +872,7 @@ class Queue:
         conn: Connection[Any] | None = None,
     ) -> list[AckStatus]:
         """Give back many messages in one call (all to ``dequeue_at``, default now)."""
-        claims = _core.check_claims(messages)
+        claims = _core.check_claims(messages, schema=self._schema)
         if not claims:
             return []
         at = _core.check_time("dequeue_at", dequeue_at)
@@ -1034,7 +1034,7 @@ class Queue:
         create the task that is due (at most one, however many firings were missed) and defer
         the driver to the next firing. A driver whose lock was lost raises
         :class:`~lonnymq.errors.StaleMessageError` and fires nothing."""
-        _core.check_message(driver)
+        _core.check_message(driver, schema=self._schema)
         if getattr(driver, "channel", None) != _schedule.SCHEDULE_CHANNEL:
             raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
         spec = ScheduleSpec.decode(driver.content)

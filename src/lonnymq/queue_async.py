@@ -727,7 +727,7 @@ class AsyncQueue:
         ``stale`` and left alone, as in :meth:`delete_many`); the rest is as
         :meth:`dequeue_batch`.
         """
-        claims = _core.check_claims(done)
+        claims = _core.check_claims(done, schema=self._schema)
         params = {
             "ids": [c[0] for c in claims],
             "num_attempts": [c[1] for c in claims],
@@ -761,7 +761,7 @@ class AsyncQueue:
         self, message: AsyncMessage, *, lock_ms: int, conn: AsyncConnection[Any] | None = None
     ) -> int:
         """Extend the lock of a message you hold to now + ``lock_ms``; returns the unlock time."""
-        message_id, attempts = _core.check_message(message)
+        message_id, attempts = _core.check_message(message, schema=self._schema)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -774,7 +774,7 @@ class AsyncQueue:
         self, message: AsyncMessage, *, conn: AsyncConnection[Any] | None = None
     ) -> None:
         """Finish a message you hold and free its channel slot."""
-        message_id, attempts = _core.check_message(message)
+        message_id, attempts = _core.check_message(message, schema=self._schema)
         params = {"id": message_id, "num_attempts": attempts, "outcome": "completed", "error": None}
         await self._fetch("message_delete", params, conn)
 
@@ -783,7 +783,7 @@ class AsyncQueue:
     ) -> None:
         """Finish a message you hold as failed: it leaves the queue (and is archived with
         outcome ``failed`` and ``error`` when the archive is on)."""
-        message_id, attempts = _core.check_message(message)
+        message_id, attempts = _core.check_message(message, schema=self._schema)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -805,7 +805,7 @@ class AsyncQueue:
 
         When ``channel`` is at its ``max_size`` nothing is done and :class:`ChannelFullError`
         is raised: the message stays held by you (and comes back when its lock expires)."""
-        message_id, _ = _core.check_message(message)
+        message_id, _ = _core.check_message(message, schema=self._schema)
         target = _core.check_target_channel(channel)
         text = _core.check_error_text(error)
         if conn is None:
@@ -830,7 +830,7 @@ class AsyncQueue:
         conn: AsyncConnection[Any] | None = None,
     ) -> None:
         """Give back a message you hold; see :meth:`AsyncMessage.defer`."""
-        message_id, attempts = _core.check_message(message)
+        message_id, attempts = _core.check_message(message, schema=self._schema)
         params = {
             "id": message_id,
             "num_attempts": attempts,
@@ -847,7 +847,7 @@ class AsyncQueue:
         A message whose lock was lost is reported ``stale`` and left alone; the others are
         still finished.
         """
-        claims = _core.check_claims(messages)
+        claims = _core.check_claims(messages, schema=self._schema)
         if not claims:
             return []
         params = {"ids": [c[0] for c in claims], "num_attempts": [c[1] for c in claims]}
@@ -862,7 +862,7 @@ class AsyncQueue:
     ) -> list[AckStatus]:
         """Extend the locks of many messages you hold to now + ``lock_ms`` in one call; one
         status per message, in order (``stale``: its lock was lost, and it is left alone)."""
-        claims = _core.check_claims(messages)
+        claims = _core.check_claims(messages, schema=self._schema)
         lock = _core.check_lock_ms(lock_ms)
         if not claims:
             return []
@@ -881,7 +881,7 @@ class AsyncQueue:
         conn: AsyncConnection[Any] | None = None,
     ) -> list[AckStatus]:
         """Give back many messages in one call (all to ``dequeue_at``, default now)."""
-        claims = _core.check_claims(messages)
+        claims = _core.check_claims(messages, schema=self._schema)
         if not claims:
             return []
         at = _core.check_time("dequeue_at", dequeue_at)
@@ -1049,7 +1049,7 @@ class AsyncQueue:
         create the task that is due (at most one, however many firings were missed) and defer
         the driver to the next firing. A driver whose lock was lost raises
         :class:`~lonnymq.errors.StaleMessageError` and fires nothing."""
-        _core.check_message(driver)
+        _core.check_message(driver, schema=self._schema)
         if getattr(driver, "channel", None) != _schedule.SCHEDULE_CHANNEL:
             raise InvalidArgumentError(f"message {driver.id} is not a schedule's driver")
         spec = ScheduleSpec.decode(driver.content)

@@ -949,3 +949,74 @@ def test_spark_snapshot_gives_up_on_a_server_that_never_answers(
         thread.join(timeout=20)
         assert not thread.is_alive(), "snapshot() still connecting after 20 s"
     assert outcome
+
+
+def _held_rows(queue: Queue, admin: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
+    return admin.execute(
+        sql.SQL("SELECT id, content, is_locked, num_attempts, dequeue_at FROM {}.message").format(
+            sql.Identifier(queue.schema)
+        )
+    ).fetchall()
+
+
+FOREIGN_CALLS: dict[str, Callable[[Queue, Message], object]] = {
+    "delete": lambda q, m: q.delete(m),
+    "fail": lambda q, m: q.fail(m, error="x"),
+    "defer": lambda q, m: q.defer(m),
+    "heartbeat": lambda q, m: q.heartbeat(m, lock_ms=1_000),
+    "dead_letter": lambda q, m: q.dead_letter(m, channel="dead", error="x"),
+    "delete_many": lambda q, m: q.delete_many([m]),
+    "defer_many": lambda q, m: q.defer_many([m]),
+    "heartbeat_many": lambda q, m: q.heartbeat_many([m], lock_ms=1_000),
+    "complete_and_dequeue": lambda q, m: q.complete_and_dequeue([m], lock_ms=1_000),
+}
+
+
+@pytest.mark.parametrize("call", list(FOREIGN_CALLS))
+def test_a_message_of_another_queue_is_refused(
+    make_queue: Callable[..., Queue],
+    other_schema: str,
+    admin: psycopg.Connection[Any],
+    call: str,
+) -> None:
+    """Each queue numbers its messages from 1: a message taken from another schema's queue
+    named this queue's message of the same id and attempt count, and finished it."""
+    billing = make_queue(archive=True)
+    emails = make_queue(schema=other_schema)
+    billing.create(b"charge customer 42")
+    emails.create(b"send welcome mail")
+    charge = billing.dequeue(lock_ms=60_000)
+    mail = emails.dequeue(lock_ms=60_000)
+    assert charge is not None
+    assert mail is not None
+    assert (charge.id, charge.num_attempts) == (mail.id, mail.num_attempts)
+    before = _held_rows(billing, admin), _held_rows(emails, admin)
+    with pytest.raises(InvalidArgumentError, match=f"schema {other_schema!r}, not this one"):
+        FOREIGN_CALLS[call](billing, mail)
+    assert (_held_rows(billing, admin), _held_rows(emails, admin)) == before
+    # A second Queue object on the same schema is the same queue.
+    with Queue(billing.dsn, schema=billing.schema) as same:
+        same.delete(charge)
+    assert _held_rows(billing, admin) == []
+
+
+def test_an_async_queue_refuses_a_message_of_another_queue(
+    dsn: str, make_queue: Callable[..., Queue], other_schema: str, admin: psycopg.Connection[Any]
+) -> None:
+    billing = make_queue()
+    emails = make_queue(schema=other_schema)
+    billing.create(b"charge")
+    emails.create(b"mail")
+
+    async def run() -> None:
+        async with AsyncQueue(dsn, schema=emails.schema) as aemails:
+            mail = await aemails.dequeue(lock_ms=60_000)
+            assert mail is not None
+            async with AsyncQueue(dsn, schema=billing.schema) as abilling:
+                with pytest.raises(InvalidArgumentError, match="finish it with the queue"):
+                    await abilling.delete_many([mail])
+                with pytest.raises(InvalidArgumentError, match="finish it with the queue"):
+                    await abilling.delete(mail)
+
+    asyncio.run(run())
+    assert len(_held_rows(billing, admin)) == 1
