@@ -322,6 +322,31 @@ def test_archive_keeps_finished_messages(
     assert queue.stats() == []
 
 
+@pytest.mark.parametrize("finish", ["delete", "fail", "delete_many"])
+def test_a_message_finished_in_the_transaction_that_took_it_is_not_finished_before_it(
+    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str, finish: str
+) -> None:
+    """The dequeue stamps the clock as it runs, finishing stamped the transaction's start: a
+    transaction that waited before its dequeue archived a negative processing time."""
+    queue = make_queue(archive=True)
+    queue.create(b"job", channel="a")
+    with queue.transaction() as conn:
+        conn.execute("SELECT pg_sleep(0.2)")
+        message = queue.dequeue(lock_ms=LOCK_MS, conn=conn)
+        assert message is not None
+        if finish == "delete":
+            message.delete(conn=conn)
+        elif finish == "fail":
+            message.fail(error="boom", conn=conn)
+        else:
+            queue.delete_many([message], conn=conn)
+    rows = archive_rows(admin, schema_name)
+    assert len(rows) == 1
+    locked_at, finished_at = rows[0][9], rows[0][10]
+    assert locked_at >= rows[0][7] + 150  # the dequeue's own clock, after the sleep
+    assert finished_at >= locked_at
+
+
 def test_archive_off_keeps_nothing(
     queue: Queue, admin: psycopg.Connection[Any], schema_name: str
 ) -> None:
