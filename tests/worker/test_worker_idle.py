@@ -91,7 +91,7 @@ def test_an_idle_worker_backs_off_while_a_due_channel_is_held(
     assert not thread.is_alive()
 
 
-def test_the_sleep_after_empty_answers_in_a_row_doubles_to_its_cap_and_resets() -> None:
+def test_the_sleep_after_due_now_answers_in_a_row_doubles_to_its_cap_and_resets() -> None:
     now = 1_000_000
     empties = 0
     sleeps = []
@@ -100,8 +100,12 @@ def test_the_sleep_after_empty_answers_in_a_row_doubles_to_its_cap_and_resets() 
         sleeps.append(wait)
     assert sleeps == [0, 1, 2, 4, 8, 16, 32, 64, 100, 100]
     assert sleep_ms(now, now, 50, empties) == (50, 11)  # never past idle_ms
-    # A message due later: sleep until then; nothing at all: idle_ms, and the count restarts.
-    assert sleep_ms(now + 300, now, 5_000, empties) == (300, 11)
+    # A retry_at a little ahead of the worker's clock estimate is still "due now".
     assert sleep_ms(now + 3, now, 5_000, 3) == (4, 4)
     assert sleep_ms(now + 3, now, 5_000, 0) == (3, 1)
+    # A message due later: sleep until then, not longer, and the count starts over (after
+    # an idle spell next to a far-future message, one due 30 ms after a wake-up was taken
+    # 80 ms late); nothing at all: idle_ms.
+    assert sleep_ms(now + 30, now, 5_000, 8) == (30, 0)
+    assert sleep_ms(now + 60_000, now, 5_000, 8) == (5_000, 0)
     assert sleep_ms(None, now, 5_000, empties) == (5_000, 0)

@@ -217,7 +217,10 @@ class Worker:
             try:
                 if not measured:
                     # Database clock minus local clock, so that sleeps follow the queue's clock.
-                    self._clock_offset_ms = self.queue.now() - int(time.time() * 1000)
+                    sent = time.time()
+                    db_now = self.queue.now()
+                    # Against the middle of the round trip, when the server read its clock.
+                    self._clock_offset_ms = db_now - int((sent + time.time()) * 500)
                     measured = True
                 batch = self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
                 idle = until_idle and not batch.messages and self._idle(batch.retry_at)

@@ -192,7 +192,10 @@ class AsyncWorker:
                 continue
             try:
                 if not measured:
-                    self._clock_offset_ms = await self.queue.now() - int(time.time() * 1000)
+                    sent = time.time()
+                    db_now = await self.queue.now()
+                    # Against the middle of the round trip, when the server read its clock.
+                    self._clock_offset_ms = db_now - int((sent + time.time()) * 500)
                     measured = True
                 batch = await self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
                 idle = until_idle and not batch.messages and await self._idle(batch.retry_at)

@@ -253,26 +253,31 @@ def after_run(
 
 
 EMPTY_SLEEP_MAX_MS = 100
-"""The longest extra sleep after empty answers in a row (see :func:`sleep_ms`)."""
+"""The longest extra sleep after "due now" answers in a row (see :func:`sleep_ms`)."""
+DUE_NOW_SLACK_MS = 20
+"""A ``retry_at`` at most this far ahead of the worker's estimate of the database clock means
+"due now": the estimate may be a few ms off (more on a loaded machine)."""
 
 
 def sleep_ms(retry_at: int | None, now_ms: int, idle_ms: int, empties: int = 0) -> tuple[int, int]:
     """How long an idle worker sleeps after a dequeue that returned nothing, and the new count
-    of such answers in a row (``empties`` before it).
+    of empty answers in a row that said "due now" (``empties`` before it).
 
     It sleeps until ``retry_at`` (the next message is due), at most ``idle_ms``. A message
     due now that the dequeue did not take sits in a channel whose row another transaction
     holds (a dequeue serving it, a policy change not yet committed), and the answer says
-    "due now" again and again for as long as that transaction lasts: so the sleep is also
-    at least 0, 1, 2, 4... ms for the first, second, third... empty answer in a row, up to
-    100 ms, and a long holder does not keep idle workers calling in a loop. (The count does
-    not trust ``retry_at`` against the worker's estimate of the database clock, which may be
-    a few ms off.)
+    "due now" again and again for as long as that transaction lasts: so after the first such
+    answer the sleep is also at least 1, 2, 4... ms, up to 100 ms, and a long holder does not
+    keep idle workers calling in a loop. An answer that names a later time starts the count
+    again: a message due soon is not delayed by earlier answers.
     """
     if retry_at is None:
         return idle_ms, 0
+    wait = retry_at - now_ms
+    if wait > DUE_NOW_SLACK_MS:
+        return min(idle_ms, wait), 0
     backoff = 0 if empties <= 0 else min(EMPTY_SLEEP_MAX_MS, 2 ** min(empties - 1, 7))
-    return min(idle_ms, max(retry_at - now_ms, backoff)), empties + 1
+    return min(idle_ms, max(wait, backoff)), empties + 1
 
 
 REPORT_TRIES = 5
