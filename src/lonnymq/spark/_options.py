@@ -251,13 +251,14 @@ def _mapped(
     kinds: set[str],
     describe: str,
 ) -> str | None:
-    """The column an option maps (its default only when that column exists). Names match as
-    Spark resolves them by default: exactly, else ignoring case (two columns that differ only
-    in case, neither an exact match, are ambiguous)."""
+    """The column an option maps (its default only when that column exists, by its exact
+    name: a ``Channel`` field of a JSON content stays data). A name given in the option
+    matches as Spark resolves names by default: exactly, else ignoring case (two columns that
+    differ only in case, neither an exact match, are ambiguous)."""
     explicit = _text(options, option)
     name = explicit or default
     found = columns.get(name)
-    if found is None:
+    if found is None and explicit is not None:
         folded = [c for c in columns.values() if c.name.lower() == name.lower()]
         if len(folded) > 1:
             raise InvalidArgumentError(
