@@ -111,15 +111,19 @@ def test_a_rerun_with_the_same_write_id_enqueues_nothing(
     assert _count(admin, queue.schema, "message") == 0
 
 
-def test_named_columns_match_ignoring_case_as_spark_resolves_them(
+def test_columns_are_matched_ignoring_case_when_named_and_refused_when_not(
     spark: SparkSession, queue: Queue, admin: Conn, options: dict[str, Any]
 ) -> None:
-    """``dedupKeyColumn="dedup_key"`` naming a ``Dedup_Key`` column failed; the defaults stay
-    exact, so a ``Channel`` field of a JSON content stays in the content."""
+    """``dedupKeyColumn="dedup_key"`` naming a ``Dedup_Key`` column failed, and left to the
+    defaults it was dropped: every row went to ``default`` without a dedup key, and a re-run
+    enqueued everything again. Such a column is now refused unless named; with JSON content
+    it stays a field of the content."""
     frame = spark.createDataFrame(
         [("a", "x", "k1"), ("b", "y", "k2"), ("a", "z", "k3")],
         "Channel string, CONTENT string, Dedup_Key string",
     )
+    with pytest.raises(Exception, match="column 'Channel', which differs from lonnymq's default"):
+        frame.write.format("lonnymq").options(**options).mode("append").save()
     named = {"channelColumn": "channel", "contentColumn": "content", "dedupKeyColumn": "DEDUP_KEY"}
     for _ in range(2):
         frame.write.format("lonnymq").options(**options, **named).mode("append").save()

@@ -250,14 +250,25 @@ def _mapped(
     columns: dict[str, ColumnInfo],
     kinds: set[str],
     describe: str,
+    strict_default: bool,
 ) -> str | None:
     """The column an option maps (its default only when that column exists, by its exact
     name: a ``Channel`` field of a JSON content stays data). A name given in the option
     matches as Spark resolves names by default: exactly, else ignoring case (two columns that
-    differ only in case, neither an exact match, are ambiguous)."""
+    differ only in case, neither an exact match, are ambiguous). With ``strict_default``, a
+    column that differs from the default only in case is refused rather than left out
+    (its rows would all go to one channel, or lose their dedup keys, without a word)."""
     explicit = _text(options, option)
     name = explicit or default
     found = columns.get(name)
+    if found is None and explicit is None and strict_default:
+        near = [c.name for c in columns.values() if c.name.lower() == default.lower()]
+        if near:
+            raise InvalidArgumentError(
+                f"the DataFrame has column {near[0]!r}, which differs from lonnymq's default "
+                f"{default!r} only in case: name it with option {option!r} (names given in "
+                "options match ignoring case), or rename it"
+            )
     if found is None and explicit is not None:
         folded = [c for c in columns.values() if c.name.lower() == name.lower()]
         if len(folded) > 1:
@@ -292,6 +303,12 @@ def write_options(
     )
     conn = connection_options(options)
     by_name = {c.name: c for c in columns}
+    content_format = ContentFormat(
+        _choice(options, "contentFormat", ContentFormat, ContentFormat.COLUMN)
+    )
+    # In the column format a column unmapped is dropped: one that is a default's name but for
+    # its case is a mistake to refuse. In JSON, it is a field of the content.
+    strict = content_format is ContentFormat.COLUMN
     channel = _text(options, "channel")
     if channel is not None:
         try:
@@ -312,6 +329,7 @@ def write_options(
             columns=by_name,
             kinds={"string"},
             describe="a string column",
+            strict_default=strict,
         )
     dequeue_at_column = _mapped(
         options,
@@ -320,6 +338,7 @@ def write_options(
         columns=by_name,
         kinds={"integer", "timestamp"},
         describe="an integer (ms since the Unix epoch) or timestamp column",
+        strict_default=strict,
     )
     dedup_key_column = _mapped(
         options,
@@ -328,9 +347,7 @@ def write_options(
         columns=by_name,
         kinds={"string"},
         describe="a string column",
-    )
-    content_format = ContentFormat(
-        _choice(options, "contentFormat", ContentFormat, ContentFormat.COLUMN)
+        strict_default=strict,
     )
     content_column: str | None = None
     json_columns: tuple[str, ...] = ()
@@ -342,6 +359,7 @@ def write_options(
             columns=by_name,
             kinds={"binary", "string"},
             describe="a binary or string column",
+            strict_default=strict,
         )
         if content_column is None:
             raise InvalidArgumentError(
