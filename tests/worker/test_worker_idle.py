@@ -12,7 +12,7 @@ import pytest
 
 from lonnymq import AsyncMessage, AsyncQueue, Message, Queue
 from lonnymq.worker import AsyncWorker, Worker
-from lonnymq.worker._policy import EMPTY_SLEEP_MAX_MS, sleep_ms
+from lonnymq.worker._policy import EMPTY_SLEEP_MAX_MS, clock_offset, sleep_ms
 
 HELD_S = 1.5
 
@@ -100,12 +100,23 @@ def test_the_sleep_after_due_now_answers_in_a_row_doubles_to_its_cap_and_resets(
         sleeps.append(wait)
     assert sleeps == [0, 1, 2, 4, 8, 16, 32, 64, 100, 100]
     assert sleep_ms(now, now, 50, empties) == (50, 11)  # never past idle_ms
-    # A retry_at a little ahead of the worker's clock estimate is still "due now".
-    assert sleep_ms(now + 3, now, 5_000, 3) == (4, 4)
-    assert sleep_ms(now + 3, now, 5_000, 0) == (3, 1)
+    # A retry_at up to 2 ms ahead of the worker's clock estimate is still "due now".
+    assert sleep_ms(now + 2, now, 5_000, 3) == (4, 4)
+    assert sleep_ms(now + 2, now, 5_000, 0) == (2, 1)
     # A message due later: sleep until then, not longer, and the count starts over (after
     # an idle spell next to a far-future message, one due 30 ms after a wake-up was taken
-    # 80 ms late); nothing at all: idle_ms.
+    # 80 ms late; a worker losing the race for a channel's next slot, 10 ms apart, would
+    # have woken later and later); nothing at all: idle_ms.
     assert sleep_ms(now + 30, now, 5_000, 8) == (30, 0)
+    assert sleep_ms(now + 10, now, 5_000, 8) == (10, 0)
     assert sleep_ms(now + 60_000, now, 5_000, 8) == (5_000, 0)
     assert sleep_ms(None, now, 5_000, empties) == (5_000, 0)
+
+
+def test_the_clock_offset_comes_from_the_reading_with_the_shortest_round_trip() -> None:
+    # The first reading waited 100 ms for a connection before it was sent: its middle is
+    # 50 ms before the server read its clock.
+    waited = (1_000.0, 1_000_100, 1_000.1005)
+    quick = (2_000.0, 2_000_000 + 7, 2_000.001)
+    assert clock_offset([waited, quick]) == 7
+    assert clock_offset([waited]) == 1_000_100 - 1_000_050

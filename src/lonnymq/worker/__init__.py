@@ -217,10 +217,12 @@ class Worker:
             try:
                 if not measured:
                     # Database clock minus local clock, so that sleeps follow the queue's clock.
-                    sent = time.time()
-                    db_now = self.queue.now()
-                    # Against the middle of the round trip, when the server read its clock.
-                    self._clock_offset_ms = db_now - int((sent + time.time()) * 500)
+                    samples = []
+                    for _ in range(_policy.CLOCK_SAMPLES):
+                        sent = time.time()
+                        db_ms = self.queue.now()
+                        samples.append((sent, db_ms, time.time()))
+                    self._clock_offset_ms = _policy.clock_offset(samples)
                     measured = True
                 batch = self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
                 idle = until_idle and not batch.messages and self._idle(batch.retry_at)

@@ -192,10 +192,12 @@ class AsyncWorker:
                 continue
             try:
                 if not measured:
-                    sent = time.time()
-                    db_now = await self.queue.now()
-                    # Against the middle of the round trip, when the server read its clock.
-                    self._clock_offset_ms = db_now - int((sent + time.time()) * 500)
+                    samples = []
+                    for _ in range(_policy.CLOCK_SAMPLES):
+                        sent = time.time()
+                        db_ms = await self.queue.now()
+                        samples.append((sent, db_ms, time.time()))
+                    self._clock_offset_ms = _policy.clock_offset(samples)
                     measured = True
                 batch = await self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
                 idle = until_idle and not batch.messages and await self._idle(batch.retry_at)

@@ -254,9 +254,21 @@ def after_run(
 
 EMPTY_SLEEP_MAX_MS = 100
 """The longest extra sleep after "due now" answers in a row (see :func:`sleep_ms`)."""
-DUE_NOW_SLACK_MS = 20
+DUE_NOW_SLACK_MS = 2
 """A ``retry_at`` at most this far ahead of the worker's estimate of the database clock means
-"due now": the estimate may be a few ms off (more on a loaded machine)."""
+"due now" (the database's clock is read to the ms, floored). A channel's next message due a
+few ms later (a release interval, a competing worker that took this one) is not "due now"."""
+CLOCK_SAMPLES = 3
+"""Readings of the database clock a worker takes to estimate it (see :func:`clock_offset`)."""
+
+
+def clock_offset(samples: Iterable[tuple[float, int, float]]) -> int:
+    """The database clock minus the local one, in ms, from readings ``(sent, db_ms,
+    received)`` (local times in seconds): the reading with the shortest round trip, against
+    its middle, when the server read its clock. A reading that waited for a connection (or
+    for the event loop) before it was sent would put the estimate ahead by half that wait."""
+    sent, db_ms, received = min(samples, key=lambda s: s[2] - s[0])
+    return db_ms - int((sent + received) * 500)
 
 
 def sleep_ms(retry_at: int | None, now_ms: int, idle_ms: int, empties: int = 0) -> tuple[int, int]:
@@ -269,7 +281,9 @@ def sleep_ms(retry_at: int | None, now_ms: int, idle_ms: int, empties: int = 0) 
     "due now" again and again for as long as that transaction lasts: so after the first such
     answer the sleep is also at least 1, 2, 4... ms, up to 100 ms, and a long holder does not
     keep idle workers calling in a loop. An answer that names a later time starts the count
-    again: a message due soon is not delayed by earlier answers.
+    again: a message due soon is not delayed by earlier answers. (With the clock estimate
+    behind by more than the slack, held answers look a few ms ahead and are asked again after
+    those few ms: more calls, not a loop.)
     """
     if retry_at is None:
         return idle_ms, 0
