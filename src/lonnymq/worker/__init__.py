@@ -205,7 +205,7 @@ class Worker:
 
     def _loop(self, until_idle: bool) -> None:
         failures = 0
-        empties = 0  # empty answers in a row
+        empties = 0  # empty answers in a row that said "due now"
         measured = False
         while not self._stopping.is_set():
             with self._lock:
