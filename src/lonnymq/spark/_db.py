@@ -15,6 +15,7 @@ from psycopg import sql
 
 from .. import _core, migrate
 from ..errors import InvalidArgumentError, SchemaNotInstalledError, SchemaVersionError, translate
+from ..queue import _check_pooled as check_pooled
 from ._options import Connection
 
 __all__ = ["SPARK_SCHEMA_VERSION", "check_installed", "connect", "executor_connection", "run"]
@@ -63,17 +64,19 @@ _cache: dict[tuple[int, str], Conn] = {}
 
 def executor_connection(conn: Connection) -> Conn:
     """A connection kept for this process (Spark reuses its Python workers across tasks),
-    opened again when it was closed, broken or no longer answers (the server restarted or
-    ended the session since the last task: the next statement would fail the task). Not in
+    opened again when it was closed, broken or closed by the server since the last task (a
+    restart, an administrator's kill: the next statement would fail the task). Not in
     autocommit: callers run transactions."""
     key = (os.getpid(), conn.dsn)
     with _cache_lock:
         cached = _cache.get(key)
         if cached is not None and not cached.closed and not cached.broken:
-            if cached.info.transaction_status == psycopg.pq.TransactionStatus.IDLE and _answers(
-                cached
-            ):
-                return cached
+            if cached.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                try:
+                    check_pooled(cached)  # the pool's own check: the socket, no round trip
+                    return cached
+                except psycopg.OperationalError:
+                    pass
             cached.close()
         fresh = connect(conn, autocommit=False)
         _cache[key] = fresh
@@ -96,23 +99,6 @@ def enter_snapshot(db: Conn, snapshot: str) -> None:
         ) from None
 
 
-def check_snapshot(conn: Connection, snapshot: str) -> None:
-    """Refuse, on the driver, a ``snapshot`` option that names no snapshot open now."""
-    with connect(conn, autocommit=False) as db, translated(conn.schema), db.transaction():
-        enter_snapshot(db, snapshot)
-
-
-def _answers(db: Conn) -> bool:
-    """Whether an idle connection still answers: one empty statement, no transaction."""
-    try:
-        db.autocommit = True
-        db.execute("")
-        db.autocommit = False
-    except psycopg.Error:
-        return False
-    return True
-
-
 @contextmanager
 def translated(schema: str) -> Iterator[None]:
     """Turn driver errors into lonnymq errors."""
@@ -128,8 +114,9 @@ def run(db: Conn, schema: str, name: str, params: dict[str, Any]) -> list[tuple[
         return db.execute(statement(schema, name), params).fetchall()
 
 
-def check_installed(conn: Connection) -> None:
-    """Refuse early, on the driver, when the schema lacks what the data source needs."""
+def check_installed(conn: Connection, snapshot: str | None = None) -> None:
+    """Refuse early, on the driver, when the schema lacks what the data source needs, or
+    when ``snapshot`` (the option) names no snapshot open now."""
     with connect(conn) as db, translated(conn.schema):
         row = db.execute(
             "SELECT to_regclass(format('%%I.migration', %s::text)) IS NOT NULL", [conn.schema]
@@ -138,14 +125,17 @@ def check_installed(conn: Connection) -> None:
         if row is not None and row[0]:
             found = db.execute(migrate.applied_statement(conn.schema)).fetchone()
             version = int(found[0]) if found is not None else 0
-    if version == 0:
-        raise SchemaNotInstalledError(
-            f"lonnymq is not installed in schema {conn.schema!r} of that database "
-            f"(lonnymq option 'schema'); run Queue(dsn, schema=...).install() or "
-            f"`lonnymq install` first"
-        )
-    if version < SPARK_SCHEMA_VERSION:
-        raise SchemaVersionError(
-            f"schema {conn.schema!r} is at version {version}; the Spark data source needs "
-            f"version {SPARK_SCHEMA_VERSION}: run install() again to upgrade it"
-        )
+        if version == 0:
+            raise SchemaNotInstalledError(
+                f"lonnymq is not installed in schema {conn.schema!r} of that database "
+                f"(lonnymq option 'schema'); run Queue(dsn, schema=...).install() or "
+                f"`lonnymq install` first"
+            )
+        if version < SPARK_SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"schema {conn.schema!r} is at version {version}; the Spark data source needs "
+                f"version {SPARK_SCHEMA_VERSION}: run install() again to upgrade it"
+            )
+        if snapshot:
+            with db.transaction():
+                enter_snapshot(db, snapshot)

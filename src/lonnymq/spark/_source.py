@@ -125,10 +125,7 @@ class LonnyMQDataSource(DataSource):
         super().__init__(options)
         # Checked here, on the driver, before any job runs; the rest is checked per direction.
         self._conn = check_all(self.options)
-        _db.check_installed(self._conn)
-        snapshot = self.options.get("snapshot")
-        if snapshot:
-            _db.check_snapshot(self._conn, snapshot)
+        _db.check_installed(self._conn, self.options.get("snapshot"))
 
     def _table(self) -> Table:
         value = str(self.options.get("table") or "message").lower()
