@@ -7,6 +7,13 @@ load shape runs for the raw queue and for lonnymq with 1, 100 and 100,000 channe
 message per call and with batches of 100; each run is repeated and the median (with min and
 max) is reported with its ratio to the raw queue's median for the same shape.
 
+The drain and steady shapes also run a *durable floor*: the raw queue's table with a fenced
+lock (an attempt count and an unlock time), whose consumers lock a message, then finish it in
+the next call's transaction, as lonnymq's ``complete_and_dequeue`` does, in one plain SQL
+statement, with no channels, fairness or policies. It is the least any queue that locks then
+finishes can do, so a lonnymq row's ratio to it says what its own logic costs, apart from
+what durability costs.
+
 Dequeue latency against backlog size and against the pathological shapes of seed 003 is
 measured from Python, one call at a time.
 
@@ -51,8 +58,12 @@ MAINTENANCE_S = 1.0
 
 RAW_DUE = """
 SELECT coalesce(n_dead_tup >= 2000 + n_live_tup / 20, FALSE) FROM pg_catalog.pg_stat_all_tables
-WHERE relid = '{r}.raw_queue'::regclass
+WHERE relid = '{r}.{table}'::regclass
 """
+# The table each plain-SQL queue kind keeps its messages in (in RAW_SCHEMA).
+RAW_TABLES = {"raw": "raw_queue", "durable": "durable_queue"}
+DURABLE = "durable floor"
+"""The durable floor's label in the report."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +120,31 @@ RAW_DDL = """
 DROP SCHEMA IF EXISTS {r} CASCADE;
 CREATE SCHEMA {r};
 CREATE TABLE {r}.raw_queue (id BIGSERIAL PRIMARY KEY, payload BYTEA NOT NULL);
+-- The durable floor: a message is locked (unlock_at set, attempts counted) and finished later,
+-- fenced by its attempt count; one index finds the oldest unlocked message, one the expired
+-- locks, as any queue that locks then finishes needs.
+CREATE TABLE {r}.durable_queue (
+    id BIGSERIAL PRIMARY KEY, payload BYTEA NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, unlock_at BIGINT);
+CREATE INDEX durable_ready_ix ON {r}.durable_queue (id) WHERE unlock_at IS NULL;
+CREATE INDEX durable_locked_ix ON {r}.durable_queue (unlock_at, id) WHERE unlock_at IS NOT NULL;
 """
+# The durable floor's clock (ms), its probes for expired locks and for the oldest unlocked
+# messages (FOR UPDATE is not allowed under a UNION: a batch takes them in two steps), and the
+# lock itself.
+_DURABLE_NOW = "floor(extract(epoch FROM now()) * 1000)::bigint"
+_DURABLE_PICK = (
+    "(SELECT e.id FROM {{r}}.durable_queue e WHERE e.unlock_at <= " + _DURABLE_NOW + " "
+    "ORDER BY e.unlock_at, e.id LIMIT {n} FOR UPDATE SKIP LOCKED)"
+)
+_DURABLE_READY = (
+    "(SELECT u.id FROM {{r}}.durable_queue u WHERE u.unlock_at IS NULL "
+    "ORDER BY u.id LIMIT {n} FOR UPDATE SKIP LOCKED)"
+)
+_DURABLE_LOCK = (
+    "UPDATE {{r}}.durable_queue d SET unlock_at = " + _DURABLE_NOW + " + {lock_ms}, "
+    "attempts = d.attempts + 1 WHERE d.id {where} RETURNING d.id, d.attempts, d.payload"
+)
 
 SCRIPTS = {
     ("raw", "create", 1): "INSERT INTO {r}.raw_queue (payload) VALUES ('\\x00'::bytea);\n",
@@ -124,6 +159,44 @@ SCRIPTS = {
     ("raw", "take", BATCH): (
         "DELETE FROM {r}.raw_queue WHERE id IN (SELECT id FROM {r}.raw_queue ORDER BY id "
         f"FOR UPDATE SKIP LOCKED LIMIT {BATCH}) RETURNING id, payload;\n"
+    ),
+    ("durable", "create", 1): (
+        "INSERT INTO {r}.durable_queue (payload) VALUES ('\\x00'::bytea);\n"
+    ),
+    ("durable", "create", BATCH): (
+        "INSERT INTO {r}.durable_queue (payload) "
+        f"SELECT '\\x00'::bytea FROM generate_series(1, {BATCH});\n"
+    ),
+    # One statement, one transaction a cycle: finish what the previous call locked (if its
+    # attempt still holds it), lock the next.
+    ("durable", "take", 1): (
+        "WITH done AS (DELETE FROM {r}.durable_queue f WHERE f.id = :id AND f.attempts = :na "
+        "AND f.unlock_at IS NOT NULL), taken AS ("
+        + _DURABLE_LOCK.format(
+            where="= coalesce("
+            + _DURABLE_PICK.format(n=1)
+            + ", "
+            + _DURABLE_READY.format(n=1)
+            + ")",
+            lock_ms=LOCK_MS,
+        )
+        + ") SELECT coalesce((SELECT id FROM taken), 0) AS id, "
+        "coalesce((SELECT attempts FROM taken), 0) AS na \\gset\n"
+    ),
+    ("durable", "take", BATCH): (
+        "WITH done AS (DELETE FROM {r}.durable_queue f USING unnest(':ids'::bigint[], "
+        "':nas'::int[]) AS h(id, na) WHERE f.id = h.id AND f.attempts = h.na "
+        "AND f.unlock_at IS NOT NULL), expired AS "
+        + _DURABLE_PICK.format(n=BATCH)
+        + ", ready AS "
+        + _DURABLE_READY.format(n=f"{BATCH} - (SELECT count(*) FROM expired)")
+        + ", taken AS ("
+        + _DURABLE_LOCK.format(
+            where="IN (SELECT x.id FROM expired x UNION ALL SELECT y.id FROM ready y)",
+            lock_ms=LOCK_MS,
+        )
+        + ") SELECT coalesce(array_agg(id), '{{}}') AS ids, "
+        "coalesce(array_agg(attempts), '{{}}') AS nas FROM taken \\gset\n"
     ),
     ("lonnymq", "create", 1): (
         "\\set c random(1, :channels)\n"
@@ -291,12 +364,11 @@ class Bench:
 
     def prefill(self, queue_kind: str, count: int, channels: int) -> None:
         with self._admin() as conn:
-            if queue_kind == "raw":
+            if queue_kind in RAW_TABLES:
                 conn.execute(
                     sql.SQL(
-                        "INSERT INTO {}.raw_queue (payload) "
-                        "SELECT '\\x00'::bytea FROM generate_series(1, %s)"
-                    ).format(sql.Identifier(RAW_SCHEMA)),
+                        "INSERT INTO {} (payload) SELECT '\\x00'::bytea FROM generate_series(1, %s)"
+                    ).format(sql.Identifier(RAW_SCHEMA, RAW_TABLES[queue_kind])),
                     (count,),
                 )
                 return
@@ -323,12 +395,13 @@ class Bench:
         output, _ = proc.communicate()
         return pgbench_tps(output, proc.returncode)
 
-    def _number(self, kind: str, query: str, raw_name: str, lonnymq_name: str) -> int:
-        """One number from ``query`` about the queue under test: ``{}`` is its relation
-        ``raw_name`` (raw queue) or ``lonnymq_name`` (lonnymq)."""
+    def _number(self, kind: str, query: str, suffix: str, lonnymq_name: str) -> int:
+        """One number from ``query`` about the queue under test: ``{}`` is its relation,
+        the plain queue's table name followed by ``suffix`` (raw queue, durable floor) or
+        ``lonnymq_name`` (lonnymq)."""
         relation = (
-            sql.Identifier(RAW_SCHEMA, raw_name)
-            if kind == "raw"
+            sql.Identifier(RAW_SCHEMA, RAW_TABLES[kind] + suffix)
+            if kind in RAW_TABLES
             else sql.Identifier(SCHEMA, lonnymq_name)
         )
         with self._admin() as conn:
@@ -337,14 +410,15 @@ class Bench:
 
     def _remaining(self, kind: str) -> int:
         """Messages in the queue now."""
-        return self._number(kind, "SELECT count(*) FROM {}", "raw_queue", "message")
+        return self._number(kind, "SELECT count(*) FROM {}", "", "message")
 
     @contextmanager
     def _maintained(self, kind: str) -> Iterator[None]:
         """Keep the queue under test vacuumed while a timed run goes on, as a deployment
         would: lonnymq through ``Queue.maintain()`` every ``MAINTENANCE_S`` (what each Worker
-        does), the raw queue's table by the same rule as lonnymq's message table (2,000 dead
-        rows plus one per 20 live ones). Counted in ``self.vacuums``."""
+        does), the raw queue's (or the durable floor's) table by the same rule as lonnymq's
+        message table (2,000 dead rows plus one per 20 live ones). Counted in
+        ``self.vacuums``."""
         if not self.maintenance:
             yield
             return
@@ -352,12 +426,13 @@ class Bench:
 
         def maintain() -> None:
             with Queue(self.dsn, schema=SCHEMA, pool_size=1) as queue, self._admin() as conn:
-                raw_due = sql.SQL(RAW_DUE.format(**self.names))
+                table = RAW_TABLES.get(kind, "raw_queue")
+                raw_due = sql.SQL(RAW_DUE.format(**self.names, table=table))
                 raw_vacuum = sql.SQL("VACUUM (SKIP_LOCKED) {}").format(
-                    sql.Identifier(RAW_SCHEMA, "raw_queue")
+                    sql.Identifier(RAW_SCHEMA, table)
                 )
                 while not stop.wait(MAINTENANCE_S):
-                    if kind == "raw":
+                    if kind in RAW_TABLES:
                         row = conn.execute(raw_due).fetchone()
                         if row is not None and row[0]:
                             conn.execute(raw_vacuum)
@@ -378,7 +453,7 @@ class Bench:
         return self._number(
             kind,
             "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {}",
-            "raw_queue_id_seq",
+            "_id_seq",
             "message_id_seq",
         )
 
@@ -410,7 +485,7 @@ class Bench:
 
     def row_run(self, kind: str, shape: str, batch: int, channels: int) -> float:
         """One run of one row of the throughput table, from a fresh schema; messages per
-        second (``kind``: raw, lonnymq or lonnymq2)."""
+        second (``kind``: raw, durable, lonnymq or lonnymq2)."""
         self.reset()
         before = 0
         if shape == "drain":
@@ -419,9 +494,9 @@ class Bench:
             # many channels is slow): two messages a channel there (one ran dry at 0038).
             scale = 1
             if batch > 1:
-                scale = 10 if kind == "raw" else (4 if channels < 1000 else 2)
+                scale = 10 if kind in RAW_TABLES else (4 if channels < 1000 else 2)
             before = self.profile.prefill * scale
-            self.prefill("raw" if kind == "raw" else "lonnymq", before, channels)
+            self.prefill(kind if kind in RAW_TABLES else "lonnymq", before, channels)
         with self._maintained(kind):
             return self._run(kind, shape, batch, channels, before)
 
@@ -430,10 +505,13 @@ class Bench:
         variants = [("raw", 1)] + [("lonnymq", n) for n in self.profile.channel_counts]
         for shape in ("enqueue", "drain", "steady"):
             for batch in (1, BATCH):
+                # The durable floor where lonnymq locks then finishes: drain and steady.
+                floor = [("durable", 1)] if shape != "enqueue" else []
                 extra = [("lonnymq2", 100)] if shape != "enqueue" and batch == 1 else []
-                for kind, channels in variants + extra:
+                for kind, channels in variants[:1] + floor + variants[1:] + extra:
                     label = {
                         "raw": "raw",
+                        "durable": DURABLE,
                         "lonnymq": f"lonnymq, {channels:,} ch",
                         "lonnymq2": f"lonnymq, {channels:,} ch, 2 tx",
                     }[kind]
@@ -630,23 +708,40 @@ def _fill_saturated(conn: psycopg.Connection[Any], size: int) -> None:
 # -- report --------------------------------------------------------------------------------
 
 
-def _raw_medians(results: list[Result]) -> dict[tuple[str, int], float]:
-    """The raw queue's median per (shape, batch): what each ratio divides by."""
-    return {(r.shape, r.batch): r.median for r in results if r.queue == "raw"}
+def _raw_medians(results: list[Result], queue: str = "raw") -> dict[tuple[str, int], float]:
+    """The median per (shape, batch) of ``queue`` (the raw queue, or ``DURABLE``): what each
+    ratio divides by."""
+    return {(r.shape, r.batch): r.median for r in results if r.queue == queue}
+
+
+def ratios(results: list[Result]) -> list[dict[str, float | None]]:
+    """For each row of ``results``: its median over the raw queue's (``x_raw``) and, for a
+    lonnymq row whose shape has a durable floor, over the floor's (``x_durable``)."""
+    raw, durable = _raw_medians(results), _raw_medians(results, DURABLE)
+    rows: list[dict[str, float | None]] = []
+    for r in results:
+        key = (r.shape, r.batch)
+        floor = durable.get(key) if r.queue.startswith("lonnymq") else None
+        rows.append(
+            {
+                "x_raw": r.median / raw[key] if raw.get(key) else None,
+                "x_durable": r.median / floor if floor else None,
+            }
+        )
+    return rows
 
 
 def _table(results: list[Result]) -> str:
-    raw = _raw_medians(results)
     lines = [
         f"{'shape':<8} {'batch':>5}  {'queue':<22} {'msg/s (median)':>14} {'min-max':>19} "
-        f"{'x raw':>6}",
+        f"{'x raw':>6} {'x durable':>9}",
     ]
-    for r in results:
-        base = raw.get((r.shape, r.batch)) or 0
-        ratio = f"{r.median / base:.2f}" if base else "-"
+    for r, ratio in zip(results, ratios(results), strict=True):
+        x_raw, x_durable = ("-" if value is None else f"{value:.2f}" for value in ratio.values())
         spread = f"{min(r.msgs_per_s):,.0f}-{max(r.msgs_per_s):,.0f}"
         lines.append(
-            f"{r.shape:<8} {r.batch:>5}  {r.queue:<22} {r.median:>14,.0f} {spread:>19} {ratio:>6}"
+            f"{r.shape:<8} {r.batch:>5}  {r.queue:<22} {r.median:>14,.0f} {spread:>19} "
+            f"{x_raw:>6} {x_durable:>9}"
         )
     return "\n".join(lines)
 
@@ -678,14 +773,22 @@ def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> li
     raw = _raw_medians(results)
     rows = [r for r in results if r.queue != "raw" and raw.get((r.shape, r.batch))]
     fig, ax = plt.subplots(figsize=(11, 5))
-    ratios = [r.median / raw[(r.shape, r.batch)] for r in rows]
-    ax.bar(range(len(rows)), ratios, color="#3b7dd8")
+    heights = [r.median / raw[(r.shape, r.batch)] for r in rows]
+    colors = ["#999999" if r.queue == DURABLE else "#3b7dd8" for r in rows]
+    ax.bar(range(len(rows)), heights, color=colors)
     ax.axhline(1.0, color="#888", linestyle="--", label="raw SKIP LOCKED queue")
-    labels = [f"{r.shape}\nbatch {r.batch}\n{r.queue.replace('lonnymq, ', '')}" for r in rows]
+    labels = [
+        f"{r.shape}\nbatch {r.batch}\n{r.queue.replace('lonnymq, ', '').replace(' floor', '')}"
+        for r in rows
+    ]
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("throughput / raw queue's (median, log scale)")
-    ax.set_title("lonnymq against the raw SKIP LOCKED queue, same server, same run")
+    ax.set_title(
+        "lonnymq (blue) and the durable floor (grey) against the raw SKIP LOCKED queue, "
+        "same server, same run",
+        fontsize=10,
+    )
     ax.legend()
     written.append(_save(fig, out / "throughput.png"))
 
@@ -792,7 +895,10 @@ def _run_bench(bench: Bench, *, spark_only: bool) -> dict[str, Any]:
         if raw_drain:
             worker["ratio_to_raw_drain"] = worker["msgs_per_s"] / raw_drain
         report |= {
-            "throughput": [asdict(r) | {"median": r.median} for r in results],
+            "throughput": [
+                asdict(r) | {"median": r.median} | ratio
+                for r, ratio in zip(results, ratios(results), strict=True)
+            ],
             "latency": latency,
             "wakeup": wakeup,
             "worker": worker,

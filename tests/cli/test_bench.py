@@ -12,7 +12,15 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from lonnymq.bench import BENCH_SCHEMAS, Bench, run_bench, spark_unavailable
+from lonnymq.bench import (
+    BENCH_SCHEMAS,
+    PROFILES,
+    RAW_SCHEMA,
+    Bench,
+    drop_schemas,
+    run_bench,
+    spark_unavailable,
+)
 
 
 @pytest.mark.slow
@@ -34,10 +42,25 @@ def test_bench_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
     for shape in ("enqueue", "drain", "steady"):
         for batch in (1, 100):
             assert {(shape, batch, "raw"), (shape, batch, "lonnymq")} <= shapes
+            # The durable floor runs where lonnymq locks then finishes, and lonnymq's rows
+            # there carry their ratio to it.
+            assert ((shape, batch, "durable floor") in shapes) == (shape != "enqueue")
     assert all(r["median"] > 0 for r in rows)
+    for r in rows:
+        assert r["x_raw"] > 0 or r["queue"] == "raw"
+        floored = r["queue"].startswith("lonnymq") and r["shape"] != "enqueue"
+        assert (r["x_durable"] is not None) == floored
+        if floored:
+            floor = next(
+                f["median"]
+                for f in rows
+                if (f["shape"], f["batch"], f["queue"]) == (r["shape"], r["batch"], "durable floor")
+            )
+            assert r["x_durable"] == pytest.approx(r["median"] / floor)
     assert {r["shape"] for r in report["latency"]} >= {"expired locks", "saturated channels"}
     assert (tmp_path / "throughput.png").stat().st_size > 0
     assert "x raw" in result.stdout
+    assert "x durable" in result.stdout
     spark = report["spark"]
     reason = spark_unavailable()
     if reason is not None:
@@ -96,3 +119,38 @@ def test_bench_drops_its_schemas_when_a_run_fails(
             "SELECT nspname FROM pg_namespace WHERE nspname = ANY (%s)", [list(BENCH_SCHEMAS)]
         ).fetchall()
     assert left == []
+
+
+@pytest.mark.parametrize("batch", [1, 100])
+def test_the_durable_floor_locks_each_message_once_then_finishes_it(
+    dsn: str, tmp_path: Path, batch: int
+) -> None:
+    """The durable floor's consumers, racing, never lock a message twice, delete only what a
+    call before locked, and leave locked only what each client's last call took."""
+    profile = PROFILES["quick"]
+    bench = Bench(dsn, profile, tmp_path, lambda _: None)
+    total = 5_000 * batch  # more than the calls can take in the run
+    try:
+        bench.reset()
+        bench.prefill("durable", total, 1)
+        script = bench._script(("durable", "take", batch))
+        bench._tps(bench._pgbench(script, profile.clients, 1))
+        with psycopg.connect(dsn) as conn:
+            attempts, locked, left = conn.execute(
+                "SELECT coalesce(max(attempts), 0), "
+                "count(*) FILTER (WHERE unlock_at IS NOT NULL), count(*) "
+                f"FROM {RAW_SCHEMA}.durable_queue"
+            ).fetchone() or (0, 0, 0)
+            unlocked_attempted = conn.execute(
+                f"SELECT count(*) FROM {RAW_SCHEMA}.durable_queue "
+                "WHERE unlock_at IS NULL AND attempts > 0"
+            ).fetchone()
+        assert attempts <= 1  # nobody took a message that another call held
+        assert unlocked_attempted == (0,)
+        assert 0 < locked <= profile.clients * batch  # each client's last take, unfinished
+        assert left < total  # the calls finished what they took before
+        consumed = bench._produced("durable") - bench._remaining("durable")
+        assert consumed == total - left
+    finally:
+        bench.close()
+        drop_schemas(dsn, *BENCH_SCHEMAS)
