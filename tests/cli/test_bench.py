@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from lonnymq import Queue
 from lonnymq.bench import (
     BENCH_SCHEMAS,
     PROFILES,
@@ -21,6 +23,7 @@ from lonnymq.bench import (
     run_bench,
     spark_unavailable,
 )
+from lonnymq.spark.bench import message_copy
 
 
 @pytest.mark.slow
@@ -74,6 +77,12 @@ def test_bench_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
     assert write["rows_per_s"]["spark write"] > 0
     assert write["rows_per_s"]["raw copy"] > 0
     assert write["ratio"] > 0
+    # The ceiling: the same rows straight into message, beside the write in the same run.
+    assert write["rows_per_s"]["ceiling"] > 0
+    assert write["ratio_to_ceiling"] == pytest.approx(
+        write["rows_per_s"]["spark write"] / write["rows_per_s"]["ceiling"]
+    )
+    assert "x ceiling" in result.stdout
     assert write["commit_seconds"] is not None
     assert 0 < write["commit_seconds"] < write["seconds"]
     sizes = [row["max_messages_per_batch"] for row in spark["stream"]]
@@ -154,3 +163,19 @@ def test_the_durable_floor_locks_each_message_once_then_finishes_it(
     finally:
         bench.close()
         drop_schemas(dsn, *BENCH_SCHEMAS)
+
+
+def test_the_spark_ceiling_copies_every_row_into_an_emptied_message_table(
+    make_queue: Callable[..., Queue], dsn: str, schema_name: str
+) -> None:
+    """The ceiling's COPY empties ``message`` first, then loads exactly the rows asked for,
+    split over its connections, spread over the Spark section's channels."""
+    queue = make_queue()
+    queue.create(b"left over", channel="old")
+    message_copy(dsn, schema_name, 1_001, connections=2)
+    with psycopg.connect(dsn) as conn:
+        count, distinct, channels, old = conn.execute(
+            f"SELECT count(*), count(DISTINCT content), count(DISTINCT channel), "
+            f"count(*) FILTER (WHERE channel = 'old') FROM \"{schema_name}\".message"
+        ).fetchone() or (0, 0, 0, 0)
+    assert (count, distinct, channels, old) == (1_001, 1_001, 100, 0)

@@ -4,7 +4,10 @@ run on one PostgreSQL:
 * the batch write's bulk enqueue rate (``df.write.format("lonnymq")`` on ``local[2]``: tasks
   COPY into staging, the driver's commit promotes) against a raw binary ``COPY`` of the same
   rows into a plain table of the message's shape (a bigserial primary key only): the fastest
-  way to put those rows into PostgreSQL, and no queue;
+  way to put those rows into PostgreSQL, and no queue; and against the *ceiling*, the same
+  rows copied straight into the queue's ``message`` table from two connections (its indexes,
+  no Spark, no staging, no channel rows), the most any write that puts each row into the
+  queue once could reach;
 * the streaming read's throughput (messages per second, from a full queue until it is empty)
   per micro-batch size (``maxMessagesPerBatch``), with ``Trigger.AvailableNow`` into the
   ``noop`` sink.
@@ -19,6 +22,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -37,7 +41,15 @@ from ..queue import Queue
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["SparkProfile", "raw_copy", "run", "session", "unavailable", "write_rates"]
+__all__ = [
+    "SparkProfile",
+    "message_copy",
+    "raw_copy",
+    "run",
+    "session",
+    "unavailable",
+    "write_rates",
+]
 
 CHANNELS = 100
 
@@ -163,6 +175,50 @@ class _Schemas:
         self.made.clear()
 
 
+def _copy_messages(dsn: str, schema: str, rows: range, now: int) -> None:
+    with psycopg.connect(dsn) as conn:
+        statement = sql.SQL(
+            "COPY {} (channel, content, dequeue_at, created_at) FROM STDIN (FORMAT BINARY)"
+        ).format(sql.Identifier(schema, "message"))
+        with conn.cursor() as cursor, cursor.copy(statement) as copy:
+            copy.set_types(["text", "bytea", "int8", "int8"])
+            for i in rows:
+                copy.write_row((f"tenant-{i % CHANNELS}", _content(i), now, now))
+        conn.commit()
+
+
+def message_copy(dsn: str, schema: str, rows: int, connections: int = 2) -> float:
+    """Seconds to load ``rows`` rows (as the Spark writes load) straight into the ``message``
+    table of queue ``schema``, emptied first, with one binary COPY on each of ``connections``
+    parallel connections (as Spark's tasks would), commits included."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(schema, "message")))
+    now = int(time.time() * 1000)
+    step = rows // connections
+    parts = [
+        range(k * step, rows if k == connections - 1 else (k + 1) * step)
+        for k in range(connections)
+    ]
+    failures: list[BaseException] = []
+
+    def load(part: range) -> None:
+        try:
+            _copy_messages(dsn, schema, part, now)
+        except BaseException as exc:  # surfaced below, in the caller's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=load, args=(part,)) for part in parts]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    if failures:
+        raise failures[0]
+    return seconds
+
+
 def _timed_write(
     schemas: _Schemas, data: DataFrame, rows: int, commits: list[float], **extra: str
 ) -> float:
@@ -196,12 +252,13 @@ def write_rates(
     keyed: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Rows per second of the Spark batch write and of a raw binary COPY, each the median of
-    ``reps`` runs after a warm-up, taken in turns. With ``keyed``, also rows that carry a
-    dedup key, staged and with ``mode=direct`` (tasks enqueue themselves)."""
+    """Rows per second of the Spark batch write, of a raw binary COPY and of the ceiling (see
+    the top of this module), each the median of ``reps`` runs after a warm-up, taken in turns.
+    With ``keyed``, also rows that carry a dedup key, staged and with ``mode=direct`` (tasks
+    enqueue themselves)."""
     frame, keyed_frame = frames(spark, rows)
     schemas = _Schemas(dsn, "lonnymq_bench_spark")
-    times: dict[str, list[float]] = {"spark write": [], "raw copy": []}
+    times: dict[str, list[float]] = {"spark write": [], "raw copy": [], "ceiling": []}
     commits: list[float] = []
     if keyed:
         times |= {"keyed, staged": [], "keyed, direct": []}
@@ -210,6 +267,7 @@ def write_rates(
             figures = {
                 "spark write": _timed_write(schemas, frame, rows, commits),
                 "raw copy": raw_copy(dsn, schemas.made[-1], rows),
+                "ceiling": message_copy(dsn, schemas.made[-1], rows),
             }
             if keyed:
                 figures["keyed, staged"] = _timed_write(schemas, keyed_frame, rows, [])
@@ -236,6 +294,8 @@ def write_rates(
         "reps": reps,
         "rows_per_s": rates,
         "ratio": rates["spark write"] / rates["raw copy"],
+        "ceiling_ratio": rates["ceiling"] / rates["raw copy"],
+        "ratio_to_ceiling": rates["spark write"] / rates["ceiling"],
         # Where a write's time goes: the driver's commit (promotion) and the rest (Spark's
         # job, the tasks' COPY into staging).
         "seconds": statistics.median(times["spark write"]),
@@ -316,7 +376,9 @@ def run(dsn: str, profile: str = "default", log: Callable[[str], None] = print) 
         rates = write["rows_per_s"]
         log(
             f"  spark batch write {rates['spark write']:,.0f} rows/s, raw binary COPY "
-            f"{rates['raw copy']:,.0f} rows/s: {write['ratio']:.2f}x raw"
+            f"{rates['raw copy']:,.0f} rows/s: {write['ratio']:.2f}x raw; the ceiling (COPY "
+            f"into message) {rates['ceiling']:,.0f} rows/s, {write['ceiling_ratio']:.2f}x raw: "
+            f"the write {write['ratio_to_ceiling']:.2f}x the ceiling"
         )
         stream = []
         for size in chosen.batch_sizes:
