@@ -777,7 +777,8 @@ def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> li
     written = []
     raw = _raw_medians(results)
     rows = [r for r in results if r.queue != "raw" and raw.get((r.shape, r.batch))]
-    fig, ax = plt.subplots(figsize=(11, 5))
+    # Wide enough for each bar's three-line label (a row per shape, batch and queue).
+    fig, ax = plt.subplots(figsize=(max(11.0, 0.7 * len(rows)), 5.5))
     heights = [r.median / raw[(r.shape, r.batch)] for r in rows]
     colors = ["#999999" if r.queue == DURABLE else "#3b7dd8" for r in rows]
     ax.bar(range(len(rows)), heights, color=colors)
