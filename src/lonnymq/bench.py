@@ -710,7 +710,7 @@ def _fill_saturated(conn: psycopg.Connection[Any], size: int) -> None:
 # -- report --------------------------------------------------------------------------------
 
 
-def _raw_medians(results: list[Result], queue: str = "raw") -> dict[tuple[str, int], float]:
+def _medians(results: list[Result], queue: str = "raw") -> dict[tuple[str, int], float]:
     """The median per (shape, batch) of ``queue`` (the raw queue, or ``DURABLE``): what each
     ratio divides by."""
     return {(r.shape, r.batch): r.median for r in results if r.queue == queue}
@@ -719,7 +719,7 @@ def _raw_medians(results: list[Result], queue: str = "raw") -> dict[tuple[str, i
 def ratios(results: list[Result]) -> list[dict[str, float | None]]:
     """For each row of ``results``: its median over the raw queue's (``x_raw``) and, for a
     lonnymq row whose shape has a durable floor, over the floor's (``x_durable``)."""
-    raw, durable = _raw_medians(results), _raw_medians(results, DURABLE)
+    raw, durable = _medians(results), _medians(results, DURABLE)
     rows: list[dict[str, float | None]] = []
     for r in results:
         key = (r.shape, r.batch)
@@ -775,7 +775,7 @@ def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> li
     except ImportError:
         return []
     written = []
-    raw = _raw_medians(results)
+    raw = _medians(results)
     rows = [r for r in results if r.queue != "raw" and raw.get((r.shape, r.batch))]
     # Wide enough for each bar's three-line label (a row per shape, batch and queue).
     fig, ax = plt.subplots(figsize=(max(11.0, 0.7 * len(rows)), 5.5))
@@ -897,7 +897,7 @@ def _run_bench(bench: Bench, *, spark_only: bool) -> dict[str, Any]:
         wakeup = bench.wakeup()
         worker = bench.worker_drain()
         section_done("worker")
-        raw_drain = _raw_medians(results).get(("drain", 1))
+        raw_drain = _medians(results).get(("drain", 1))
         if raw_drain:
             worker["ratio_to_raw_drain"] = worker["msgs_per_s"] / raw_drain
         report |= {
