@@ -146,12 +146,21 @@ _DURABLE_LOCK = (
     "attempts = d.attempts + 1 WHERE d.id {where} RETURNING d.id, d.attempts, d.payload"
 )
 
-SCRIPTS = {
-    ("raw", "create", 1): "INSERT INTO {r}.raw_queue (payload) VALUES ('\\x00'::bytea);\n",
-    ("raw", "create", BATCH): (
-        "INSERT INTO {r}.raw_queue (payload) "
+# Both plain queues are filled alike: one INSERT of one message, or of BATCH.
+_PLAIN_CREATE = {
+    1: "INSERT INTO {{r}}.{table} (payload) VALUES ('\\x00'::bytea);\n",
+    BATCH: (
+        "INSERT INTO {{r}}.{table} (payload) "
         f"SELECT '\\x00'::bytea FROM generate_series(1, {BATCH});\n"
     ),
+}
+
+SCRIPTS = {
+    **{
+        (kind, "create", batch): script.format(table=table)
+        for kind, table in RAW_TABLES.items()
+        for batch, script in _PLAIN_CREATE.items()
+    },
     ("raw", "take", 1): (
         "DELETE FROM {r}.raw_queue WHERE id = (SELECT id FROM {r}.raw_queue ORDER BY id "
         "FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING id, payload;\n"
@@ -159,13 +168,6 @@ SCRIPTS = {
     ("raw", "take", BATCH): (
         "DELETE FROM {r}.raw_queue WHERE id IN (SELECT id FROM {r}.raw_queue ORDER BY id "
         f"FOR UPDATE SKIP LOCKED LIMIT {BATCH}) RETURNING id, payload;\n"
-    ),
-    ("durable", "create", 1): (
-        "INSERT INTO {r}.durable_queue (payload) VALUES ('\\x00'::bytea);\n"
-    ),
-    ("durable", "create", BATCH): (
-        "INSERT INTO {r}.durable_queue (payload) "
-        f"SELECT '\\x00'::bytea FROM generate_series(1, {BATCH});\n"
     ),
     # One statement, one transaction a cycle: finish what the previous call locked (if its
     # attempt still holds it), lock the next.
