@@ -424,37 +424,34 @@ def test_cli_grant_grants_and_revoke(dsn: str, queue: Queue, make_role: Callable
     assert queue.grants() == []
 
 
-# -- the README ----------------------------------------------------------------------------
+# -- the documentation -----------------------------------------------------------------------
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def _readme_section() -> str:
-    text = README.read_text("utf-8")
-    return text.split("## Security / least privilege", 1)[1].split("\n## ", 1)[0]
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples/security.py"
+PAGE = ROOT / "docs" / "security.md"
 
 
-def test_readme_example_runs(
+def test_the_example_runs(
     dsn: str,
     schema_name: str,
     make_role: Callable[..., str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    [code] = re.findall(r"```python\n(.*?)```", _readme_section(), flags=re.DOTALL)
-    code = code.replace('schema="shop"', f'schema="{schema_name}"')
+    code = EXAMPLE.read_text("utf-8").replace('schema="shop"', f'schema="{schema_name}"')
     roles = {name: make_role() for name in ("shop_api", "shop_worker", "shop_ops")}
     for name, role in roles.items():
         code = code.replace(f'"{name}"', f'"{role}"')
     monkeypatch.setenv("LONNYMQ_DSN", dsn)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, str(EXAMPLE), "exec"), {})
     with Queue(dsn, schema=schema_name) as queue:
         assert sorted((g.role, g.kind.value) for g in queue.grants()) == sorted(
             [(roles["shop_api"], "producer"), (roles["shop_worker"], "worker")]
         )
 
 
-def test_readme_role_table_is_the_database_s(queue: Queue, admin: Conn) -> None:
-    rows = re.findall(r"^\| (producer|worker|admin) \|.*\| (.*) \|$", _readme_section(), re.M)
+def test_the_role_table_is_the_database_s(queue: Queue, admin: Conn) -> None:
+    text = PAGE.read_text("utf-8")
+    rows = re.findall(r"^\| (producer|worker|admin) \|.*\| (.*) \|$", text, re.M)
     assert [kind for kind, _ in rows] == ["producer", "worker", "admin"]
     documented: set[str] = set()
     for kind, functions in rows:

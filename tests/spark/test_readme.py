@@ -1,4 +1,5 @@
-"""The README's Spark example runs as written (on the shared test session)."""
+"""The Spark example of the documentation (examples/spark_pipeline.py) runs as written, on
+the shared test session, and the Spark page says what write_result returns."""
 
 from __future__ import annotations
 
@@ -11,21 +12,22 @@ import psycopg
 import pytest
 from pyspark.sql import SparkSession
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples/spark_pipeline.py"
+PAGE = ROOT / "docs" / "spark.md"
 
 
 @pytest.mark.slow
-def test_readme_spark_example_runs(
+def test_the_spark_example_runs(
     spark: SparkSession, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text("utf-8"), flags=re.DOTALL)
-    [example] = [b for b in blocks if 'format("lonnymq")' in b]
+    example = EXAMPLE.read_text("utf-8")
     monkeypatch.setenv("LONNYMQ_DSN", dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP SCHEMA IF EXISTS sparkdemo CASCADE")
         try:
             namespace: dict[str, Any] = {}
-            exec(compile(example, str(README), "exec"), namespace)
+            exec(compile(example, str(EXAMPLE), "exec"), namespace)
             assert namespace["spark"] is spark  # it joined the running session
             left = conn.execute("SELECT count(*) FROM sparkdemo.spark_batch").fetchone()
             assert left == (0,)
@@ -33,12 +35,12 @@ def test_readme_spark_example_runs(
             conn.execute("DROP SCHEMA IF EXISTS sparkdemo CASCADE")
 
 
-def test_readme_says_what_write_result_returns() -> None:
+def test_the_page_says_what_write_result_returns() -> None:
     # It listed dropped_channels and replayed, which write_result never fills in.
     from lonnymq.spark import _write
 
-    text = " ".join(README.read_text("utf-8").split())
-    [said] = re.findall(r"`write_result` returns a `WriteResult`([^.]*)\.", text)
+    text = " ".join(PAGE.read_text("utf-8").split())
+    [said] = re.findall(r"returns a `WriteResult`([^.]*)\.", text)
     named = set(re.findall(r"`(\w+)`", said))
     filled = {"created", "deduplicated", "dropped"}
     assert filled <= named

@@ -1,22 +1,25 @@
 """The monitoring queries published in docs/operations.md run against a real server and return
-the columns the document describes. The queries are read from the document itself, so the
-text an operator copies is the text tested."""
+the columns the document describes. The page includes them from examples/sql/, read here, so
+the text an operator copies is the text tested."""
 
 from __future__ import annotations
 
 import re
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from lonnymq import Queue
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
-# Each published query is a ```sql block right after a `<!-- query: name -->` marker; its
-# schema is written as my_queue.
-BLOCK = re.compile(r"<!-- query: ([a-z_]+) -->\s*```sql\n(.*?)```", re.S)
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "operations.md"
+# Each published query is a file examples/sql/<name>.sql that the page includes; its schema
+# is written as my_queue.
+INCLUDE = re.compile(r"^--8<--\nexamples/sql/([a-z_]+)\.sql\n--8<--$", re.M)
 PLACEHOLDER = "my_queue"
 
 COLUMNS = {
@@ -46,7 +49,8 @@ COLUMNS = {
 
 
 def _queries() -> dict[str, str]:
-    return dict(BLOCK.findall(DOC.read_text()))
+    names = INCLUDE.findall(DOC.read_text())
+    return {n: (ROOT / "examples" / "sql" / f"{n}.sql").read_text() for n in names if n in COLUMNS}
 
 
 def _run(conn: psycopg.Connection[Any], text: str, schema: str) -> tuple[list[str], list[Any]]:
@@ -60,6 +64,22 @@ def _run(conn: psycopg.Connection[Any], text: str, schema: str) -> tuple[list[st
 
 def test_the_document_publishes_every_tested_query() -> None:
     assert set(_queries()) == set(COLUMNS)
+    assert set(INCLUDE.findall(DOC.read_text())) == {*COLUMNS, "timeouts"}
+
+
+def test_the_timeout_setting_applies_to_the_role(dsn: str) -> None:
+    text = (ROOT / "examples" / "sql" / "timeouts.sql").read_text()
+    role = f"t_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+        try:
+            conn.execute(text.replace("app_worker", role).encode())
+            config = conn.execute(
+                "SELECT rolconfig FROM pg_roles WHERE rolname = %s", [role]
+            ).fetchone()
+            assert config == (["idle_in_transaction_session_timeout=60s"],)
+        finally:
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def test_xmin_holders_lists_an_idle_repeatable_read_transaction(dsn: str) -> None:
