@@ -1,31 +1,138 @@
--- 0036_batch_rides_along: a batch dequeue rides along on busy channels in one statement.
---
--- A batch dequeue locks the rows of the due channels it can (step 2a, FOR UPDATE SKIP LOCKED)
--- and takes their heads round robin in one statement. When several consumers take batches
--- from the same channels, the first locks every due row and the others find none free: they
--- fell to the one-by-one steps, which per channel probe for a free row, then ride along on
--- the first busy channel, taking all they could from that one channel before the next. With
--- 8 producers and 8 consumers of 100 messages over 100 channels (pg_stat_statements on
--- PostgreSQL 15), a call made about 15 channel probes, which took 65 ms of its 76.
---
--- Step 2b, taken only when 2a locked fewer rows than it asked for (every other due row is held
--- elsewhere) and the one-channel ride-along has emptied the first busy channel without filling
--- the batch, rides along on the other busy due channels together: it reads them in turn without
--- locking their rows, takes each one's shared advisory lock (a channel whose policy is being
--- changed is left out), and in one statement takes their heads round robin, an equal share
--- each, leaving out any channel that has a policy by then (the statement's snapshot is taken
--- after the advisory locks, as the one-channel ride-along's is). The rows stay with their
--- holders, which send the channels to the back. A lone busy channel is left to the one-channel
--- ride-along, as before. Repeated while it takes something; a channel that gave less than its
--- share has no head left and is passed (unless it was given a policy meanwhile: the steps
--- below serve it under its row). It keeps the slots 2a keeps for channels with a policy whose
--- rows 2a holds, so those are served in the same call, and the channels it reads count as
--- probes of the call, since each keeps its advisory lock to the end of the transaction.
--- Results differ in one way: once the first busy channel is empty, a batch riding along takes
--- the other busy channels' heads in turn (a1, a2, then b1, c1, b2, c2) where it took all of b's
--- before c's. (Spreading from the first channel on cost drains of deep backlogs: one index
--- probe and advisory lock per channel where one probe of one channel filled the batch.)
+-- message_take_one(): lock one message the usual way (see the top of this file), or return
+-- NULL and change nothing a later message_dequeue_loop would not: the channel row it locked,
+-- or a channel sent back by channel_rotate when none of its heads could be taken.
+CREATE OR REPLACE FUNCTION message_take_one(p_lock_ms BIGINT) RETURNS message
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    -- The clock as this call starts (see message_dequeue_loop).
+    v_now BIGINT := epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT;
+    v_message message;
+    v_channel channel;
+    v_busy TEXT;
+BEGIN
+    -- 1. A message whose lock expired (its channel slot was never released).
+    UPDATE message m SET
+        unlock_at = v_now + p_lock_ms,
+        locked_at = v_now,
+        num_attempts = m.num_attempts + 1
+    WHERE m.id = (
+        SELECT e.id FROM message e
+        WHERE e.is_locked AND e.unlock_at <= v_now
+        ORDER BY e.unlock_at, e.id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED)
+    RETURNING m.* INTO v_message;
+    IF FOUND THEN
+        RETURN v_message;
+    END IF;
 
+    -- 2. The head of the channel whose turn it is, if it has no policy.
+    SELECT * INTO v_channel FROM channel c
+    WHERE c.next_dequeue_at IS NOT NULL
+      AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+      AND c.next_dequeue_at <= v_now
+    ORDER BY c.next_dequeue_at, c.turn
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED;
+    IF FOUND THEN
+        -- The shared advisory lock, as every operation on the channel's messages takes it.
+        IF v_channel.has_policy
+           OR NOT pg_try_advisory_xact_lock_shared(channel_key(v_channel.name)) THEN
+            RETURN NULL;
+        END IF;
+        UPDATE message m SET
+            is_locked = TRUE,
+            unlock_at = v_now + p_lock_ms,
+            locked_at = v_now,
+            num_attempts = m.num_attempts + 1
+        WHERE m.id = (
+            SELECT h.id FROM message h
+            WHERE h.channel = v_channel.name AND NOT h.is_locked
+              AND h.dequeue_at <= v_now
+            ORDER BY h.dequeue_at, h.id
+            LIMIT 1
+            FOR UPDATE SKIP LOCKED)
+        RETURNING m.* INTO v_message;
+        IF NOT FOUND THEN
+            -- Its heads are held by sessions riding along, or not due yet.
+            PERFORM channel_rotate(v_channel.name, v_now, FALSE);
+            RETURN NULL;
+        END IF;
+        -- To the back, when its next head is due (channel_rotate's first case); otherwise
+        -- channel_rotate pushes it forward or deletes its row.
+        UPDATE channel c SET
+            next_dequeue_at = n.next_at,
+            turn = nextval('channel_turn_seq'),
+            last_dequeue_at = v_now
+        FROM (
+            SELECT greatest(x.dequeue_at, v_now) AS next_at FROM message x
+            WHERE x.channel = v_channel.name AND NOT x.is_locked
+            ORDER BY x.dequeue_at, x.id
+            LIMIT 1) n
+        WHERE c.name = v_channel.name AND n.next_at <= v_now;
+        IF NOT FOUND THEN
+            PERFORM channel_rotate(v_channel.name, v_now, TRUE);
+        END IF;
+        RETURN v_message;
+    END IF;
+
+    -- 3. Every due channel's row is held by another session: ride along on the first one's
+    -- next head, unless it has a policy or its policy is being changed (read under the lock).
+    SELECT c.name INTO v_busy FROM channel c
+    WHERE c.next_dequeue_at IS NOT NULL
+      AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+      AND c.next_dequeue_at <= v_now
+    ORDER BY c.next_dequeue_at, c.turn
+    LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF NOT pg_try_advisory_xact_lock_shared(channel_key(v_busy)) THEN
+        RETURN NULL;
+    END IF;
+    -- A statement of its own, so that its snapshot is taken under the lock.
+    IF coalesce((SELECT c.has_policy FROM channel c WHERE c.name = v_busy), FALSE) THEN
+        RETURN NULL;
+    END IF;
+    UPDATE message m SET
+        is_locked = TRUE,
+        unlock_at = v_now + p_lock_ms,
+        locked_at = v_now,
+        num_attempts = m.num_attempts + 1
+    WHERE m.id = (
+        SELECT h.id FROM message h
+        WHERE h.channel = v_busy AND NOT h.is_locked
+          AND h.dequeue_at <= v_now
+        ORDER BY h.dequeue_at, h.id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED)
+    RETURNING m.* INTO v_message;
+    IF FOUND THEN
+        RETURN v_message;
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+
+-- 0039_ride_along_tally: a batch riding along on many busy channels counts what each gave in
+-- one grouping.
+--
+-- Step 2b of message_dequeue_loop (a batch riding along, in one statement, on due channels
+-- whose rows other dequeues hold) then decides which of those channels to pass (they gave less
+-- than their share, so they have no head left) and which to try again. It counted each
+-- channel's messages by a scan of the whole batch per channel: |channels| x |batch|. With
+-- every channel row of 100,000 channels held by another transaction, two messages in each, a
+-- take of 10,000 rode along on 9,999 channels and that count took 7.0 s of the call's 7.5 s
+-- (PostgreSQL 15, pg_stat_statements with track = all).
+--
+-- The statement that takes the heads now also counts them: its picked heads grouped by
+-- channel, with one row per ridden channel beside them so that a channel that gave nothing
+-- counts 0 (a grouping, not a join: n log n in any plan the session caches). The channels
+-- passed and those kept come out of it in turn order, as before.
 CREATE OR REPLACE FUNCTION message_dequeue_loop(p_limit INTEGER, p_lock_ms BIGINT)
 RETURNS TABLE (
     id BIGINT, channel TEXT, content BYTEA, state BYTEA, num_attempts INTEGER,
@@ -34,6 +141,8 @@ RETURNS TABLE (
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off
+SET enable_seqscan = off
+SET jit = off
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -67,6 +176,7 @@ DECLARE
     v_budget INTEGER;
     v_batch message[];
     v_keep TEXT[] := ARRAY[]::TEXT[];
+    v_short TEXT[];
 BEGIN
     IF NOT coalesce(p_limit BETWEEN 1 AND 10000 AND p_lock_ms BETWEEN 1 AND 604800000, FALSE)
     THEN
@@ -144,24 +254,29 @@ BEGIN
                                     LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
                                     FOR UPDATE SKIP LOCKED) x) h
                         ), chosen AS (
-                            SELECT p.id, p.ord, p.rn FROM picked p
+                            SELECT p.id, row_number() OVER (ORDER BY p.rn, p.ord) AS place
+                            FROM picked p
                             ORDER BY p.rn, p.ord
                             LIMIT v_share
+                        ), wanted AS (
+                            -- In id order, each with its place in the batch (see the top).
+                            SELECT array_agg(c.id ORDER BY c.id) AS ids,
+                                   array_agg(c.place ORDER BY c.id) AS places
+                            FROM chosen c
                         ), taken AS (
                             UPDATE message m SET
                                 is_locked = TRUE,
                                 unlock_at = v_now + p_lock_ms,
                                 locked_at = v_now,
                                 num_attempts = m.num_attempts + 1
-                            FROM chosen c
-                            WHERE m.id = ANY (ARRAY(SELECT c2.id FROM chosen c2))
-                              AND m.id = c.id
+                            WHERE m.id = ANY ((SELECT w.ids FROM wanted w)::BIGINT[])
                             RETURNING m.id, m.channel, m.content, m.state, m.num_attempts,
-                                      m.dequeue_at, m.unlock_at, c.rn, c.ord
+                                      m.dequeue_at, m.unlock_at
                         )
                         SELECT t.id, t.channel, t.content, t.state, t.num_attempts,
                                t.dequeue_at, t.unlock_at, NULL::BIGINT
-                        FROM taken t ORDER BY t.rn, t.ord;
+                        FROM taken t CROSS JOIN wanted w
+                        ORDER BY w.places[width_bucket(t.id, w.ids)];
                     GET DIAGNOSTICS v_rows = ROW_COUNT;
                     v_taken := v_taken + v_rows;
                     -- Send them to the back together: those whose next head is due in one
@@ -258,33 +373,50 @@ BEGIN
                                 ORDER BY m.dequeue_at, m.id
                                 LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
                                 FOR UPDATE SKIP LOCKED) x) h
+                    ), wanted AS (
+                        -- In id order, each with its place in the batch (see the top).
+                        SELECT array_agg(q.id ORDER BY q.id) AS ids,
+                               array_agg(q.place ORDER BY q.id) AS places
+                        FROM (SELECT p.id, row_number() OVER (ORDER BY p.rn, p.ord) AS place
+                              FROM picked p) q
                     ), taken AS (
                         UPDATE message m SET
                             is_locked = TRUE,
                             unlock_at = v_now + p_lock_ms,
                             locked_at = v_now,
                             num_attempts = m.num_attempts + 1
-                        FROM picked c
-                        WHERE m.id = ANY (ARRAY(SELECT c2.id FROM picked c2))
-                          AND m.id = c.id
-                        RETURNING m AS msg, c.rn, c.ord
+                        WHERE m.id = ANY ((SELECT w.ids FROM wanted w)::BIGINT[])
+                        RETURNING m AS msg
+                    ), tally AS (
+                        -- What each ridden channel gave (every head it picked is taken), by
+                        -- one grouping of its heads beside a row for the channel itself: no
+                        -- join, so n log n in any plan.
+                        SELECT k.ord, max(k.name) AS name, count(k.id) AS gave
+                        FROM (SELECT f.ord, f.name, NULL::BIGINT AS id
+                              FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
+                              UNION ALL
+                              SELECT p.ord, NULL::TEXT, p.id FROM picked p) k
+                        GROUP BY k.ord
                     )
-                    SELECT coalesce(array_agg(t.msg ORDER BY t.rn, t.ord), ARRAY[]::message[])
-                    INTO v_batch
-                    FROM taken t;
+                    SELECT coalesce(
+                               array_agg(t.msg ORDER BY w.places[width_bucket((t.msg).id, w.ids)]),
+                               ARRAY[]::message[]),
+                           (SELECT coalesce(array_agg(y.name ORDER BY y.ord), ARRAY[]::TEXT[])
+                            FROM tally y
+                            WHERE y.gave < v_quota + CASE WHEN y.ord <= v_extra THEN 1 ELSE 0 END),
+                           (SELECT coalesce(array_agg(y.name ORDER BY y.ord), ARRAY[]::TEXT[])
+                            FROM tally y
+                            WHERE y.gave >= v_quota + CASE WHEN y.ord <= v_extra THEN 1 ELSE 0 END)
+                    INTO v_batch, v_short, v_keep
+                    FROM taken t CROSS JOIN wanted w;
                     RETURN QUERY
                         SELECT b.id, b.channel, b.content, b.state, b.num_attempts,
                                b.dequeue_at, b.unlock_at, NULL::BIGINT
                         FROM unnest(v_batch) AS b;
                     v_taken := v_taken + cardinality(v_batch);
-                    v_passed := v_passed || ARRAY(
-                        SELECT f.name FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
-                        WHERE (SELECT count(*) FROM unnest(v_batch) AS b WHERE b.channel = f.name)
-                              < v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END);
-                    v_keep := ARRAY(
-                        SELECT f.name FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
-                        WHERE f.name <> ALL (v_passed)
-                        ORDER BY f.ord);
+                    -- A channel that gave less than its share has no head left: pass it. Those
+                    -- that gave it all may have more (v_keep, in turn order).
+                    v_passed := v_passed || v_short;
                     -- One channel left with more to give: the one-channel ride-along takes
                     -- the rest from it.
                     IF cardinality(v_batch) > 0 AND cardinality(v_keep) <> 1 THEN
@@ -480,4 +612,133 @@ END;
 $$;
 
 
-SELECT secure_functions();
+-- message_dequeue_many(): as before (0016), through message_take_one when the limit is 1.
+CREATE OR REPLACE FUNCTION message_dequeue_many(p_limit INTEGER, p_lock_ms BIGINT)
+RETURNS TABLE (
+    id BIGINT, channel TEXT, content BYTEA, state BYTEA, num_attempts INTEGER,
+    dequeue_at BIGINT, unlock_at BIGINT, retry_at BIGINT
+)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_message message;
+BEGIN
+    -- Bad arguments go to the loop, which says what is wrong.
+    IF p_limit = 1 AND p_lock_ms BETWEEN 1 AND 604800000 THEN
+        v_message := message_take_one(p_lock_ms);
+        IF v_message.id IS NOT NULL THEN
+            id := v_message.id;
+            channel := v_message.channel;
+            content := v_message.content;
+            state := v_message.state;
+            num_attempts := v_message.num_attempts;
+            dequeue_at := v_message.dequeue_at;
+            unlock_at := v_message.unlock_at;
+            retry_at := NULL;
+            RETURN NEXT;
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT * FROM message_dequeue_loop(p_limit, p_lock_ms);
+END;
+$$;
+
+
+-- message_dequeue(): lock one message; see message_dequeue_many.
+CREATE OR REPLACE FUNCTION message_dequeue(p_lock_ms BIGINT)
+RETURNS TABLE (
+    id BIGINT, channel TEXT, content BYTEA, state BYTEA, num_attempts INTEGER,
+    dequeue_at BIGINT, unlock_at BIGINT, retry_at BIGINT
+)
+LANGUAGE sql
+SET search_path FROM CURRENT
+AS $$
+    SELECT * FROM message_dequeue_many(1, p_lock_ms)
+$$;
+
+
+-- 0033_heartbeat_clock: a heartbeat extends a lock from the time it runs.
+--
+-- message_heartbeat and message_heartbeat_many set unlock_at to epoch() + lock_ms, and
+-- epoch() is the time the caller's transaction began. A heartbeat sent inside a longer
+-- transaction (the README suggests heartbeating in your own transaction, last, just before
+-- commit) therefore extended the lock by less than lock_ms, or not at all: in a review, a
+-- heartbeat of 2 s at the end of a 3 s transaction left the lock already expired, and another
+-- worker took the message at once. Both now count from the clock as the call runs, as a
+-- dequeue does (0002).
+CREATE OR REPLACE FUNCTION message_heartbeat(p_id BIGINT, p_num_attempts INTEGER, p_lock_ms BIGINT)
+RETURNS BIGINT
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_unlock_at BIGINT;
+BEGIN
+    PERFORM arg_check_lock_ms(p_lock_ms);
+    PERFORM arg_check_claim(p_id, p_num_attempts);
+    -- The clock as this call runs (see message_take_one), not as its transaction began.
+    UPDATE message m SET unlock_at = epoch() + p_lock_ms
+        + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT
+    WHERE m.id = p_id AND m.unlock_at IS NOT NULL AND m.num_attempts = p_num_attempts
+    RETURNING m.unlock_at INTO v_unlock_at;
+    IF NOT FOUND THEN
+        PERFORM message_refuse(p_id, p_num_attempts);
+    END IF;
+    RETURN v_unlock_at;
+END;
+$$;
+
+
+CREATE OR REPLACE FUNCTION message_heartbeat_many(
+    p_ids BIGINT[], p_num_attempts INTEGER[], p_lock_ms BIGINT
+) RETURNS TABLE (id BIGINT, status TEXT)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_unlock_at BIGINT;
+BEGIN
+    PERFORM arg_check_lock_ms(p_lock_ms);
+    PERFORM arg_check(p_ids IS NOT NULL AND cardinality(p_ids) <= 100000,
+        'ids must be an array of at most 100000 ids');
+    PERFORM arg_check(cardinality(p_ids) = cardinality(p_num_attempts),
+        'ids and num_attempts must have the same length');
+    PERFORM arg_check_claim(t.id, t.num_attempts)
+    FROM unnest(p_ids, p_num_attempts) AS t(id, num_attempts);
+    -- The clock as this call runs (see message_take_one), not as its transaction began.
+    v_unlock_at := epoch() + p_lock_ms
+        + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT;
+
+    RETURN QUERY
+    WITH claim AS (
+        SELECT t.id, t.num_attempts, t.ord
+        FROM unnest(p_ids, p_num_attempts) WITH ORDINALITY AS t(id, num_attempts, ord)
+    ), held AS (
+        SELECT m.id FROM message m JOIN claim c ON c.id = m.id
+        WHERE m.unlock_at IS NOT NULL AND m.num_attempts = c.num_attempts
+        ORDER BY m.id
+        FOR UPDATE OF m SKIP LOCKED
+    ), extended AS (
+        UPDATE message m SET unlock_at = v_unlock_at
+        FROM held h
+        WHERE m.id = h.id
+        RETURNING m.id, m.num_attempts
+    )
+    SELECT c.id,
+           CASE WHEN e.num_attempts = c.num_attempts THEN 'ok'
+                -- Held by this claim as last committed, but its row locked by another
+                -- transaction: skipped.
+                WHEN e.id IS NULL AND EXISTS (
+                    SELECT 1 FROM message m
+                    WHERE m.id = c.id AND m.unlock_at IS NOT NULL
+                      AND m.num_attempts = c.num_attempts) THEN 'busy'
+                WHEN EXISTS (SELECT 1 FROM message m WHERE m.id = c.id) THEN 'stale'
+                ELSE 'not_found' END
+    FROM claim c LEFT JOIN extended e ON e.id = c.id
+    ORDER BY c.ord;
+END;
+$$;

@@ -1,3 +1,17 @@
+-- schedule_check_name(): a schedule name is 1 to 200 characters (it is the driver's dedup
+-- key, and task dedup keys add the fire time to it). Raises LQ003.
+CREATE OR REPLACE FUNCTION schedule_check_name(p_name TEXT) RETURNS VOID
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    PERFORM arg_check(p_name IS NOT NULL AND char_length(p_name) BETWEEN 1 AND 200,
+        format('schedule name must be 1 to 200 characters, got %s',
+            coalesce(char_length(p_name)::TEXT || ' characters', 'NULL')));
+END;
+$$;
+
+
 -- 0040_schedule_set: declaring a schedule in a full schedules channel says so, and
 -- declarations of schedules take their locks in one order.
 --
@@ -19,7 +33,6 @@
 -- the schedules channel's shared lock before it, as every create in that channel does: a
 -- transaction that set the channel's policy (which holds that lock exclusively) and then
 -- declares a schedule is then waited for before the declarations' lock, not under it.
-
 CREATE OR REPLACE FUNCTION schedule_set(p_name TEXT, p_spec BYTEA, p_next_at BIGINT)
 RETURNS TABLE (status TEXT, id BIGINT)
 LANGUAGE plpgsql
@@ -111,6 +124,20 @@ END;
 $$;
 
 
+-- schedule_list(): every schedule's driver: name, spec, next due time, the saved state (the
+-- last fire time, as the worker writes it) and whether a worker holds it now.
+CREATE OR REPLACE FUNCTION schedule_list()
+RETURNS TABLE (name TEXT, spec BYTEA, next_at BIGINT, state BYTEA, is_locked BOOLEAN)
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT m.dedup_key, m.content, m.dequeue_at, m.state, m.is_locked
+    FROM message m
+    WHERE m.channel = 'lonnymq.schedules' AND m.dedup_key IS NOT NULL
+    ORDER BY m.dedup_key
+$$;
+
+
 CREATE OR REPLACE FUNCTION schedule_remove(p_name TEXT) RETURNS BOOLEAN
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -148,6 +175,3 @@ BEGIN
     RETURN TRUE;
 END;
 $$;
-
-
-SELECT secure_functions();
