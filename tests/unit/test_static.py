@@ -113,6 +113,28 @@ def test_each_function_is_defined_once_and_only_in_the_function_layer() -> None:
         )
 
 
+def test_each_function_has_a_header_comment() -> None:
+    """Above each function: what it does (starting with its name), the locks it takes and
+    the SQLSTATEs it raises."""
+    for name, text in migrate.source_files():
+        for match in re.finditer(r"^(?:CREATE OR REPLACE FUNCTION (\w+)|DO \$\$)", text, re.M):
+            lines = text[: match.start()].rstrip("\n").split("\n")
+            block: list[str] = []
+            while lines and lines[-1].startswith("--"):
+                block.insert(0, lines.pop())
+            header = "\n".join(block)
+            function = match[1] or "channel_key"
+            assert header.startswith(f"-- {function}()"), f"{name}: {function} has no header"
+            assert "Locks:" in header, f"{name}: {function}'s header names no locks"
+            assert "Raises" in header, f"{name}: {function}'s header names no SQLSTATEs"
+
+
+def test_no_comment_tells_the_schema_s_history() -> None:
+    """History is in git: no migration numbers in the function layer."""
+    for name, text in migrate.source_files():
+        assert re.search(r"(?<![\d.])00[0-9]{2}(?![\d.])", text) is None, name
+
+
 def test_function_signatures_are_the_installed_identities(queue: Queue, admin: Conn) -> None:
     installed = admin.execute(
         "SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')'"

@@ -1,6 +1,22 @@
+-- Core: the clock, argument checks, events and settings.
+--
+-- The installer runs every file of this folder with `search_path` set to the target schema
+-- (quoted by the installer, never spelled here), so unqualified names land in that schema and
+-- each function pins the same path with `SET search_path FROM CURRENT` (secure_functions()
+-- then makes it explicit, with pg_temp last). Times are BIGINT milliseconds since the Unix
+-- epoch, read from the database clock through epoch(). Our refusals use SQLSTATE class LQ:
+--   LQ001 message not found          LQ002 stale message (lock lost or never held)
+--   LQ003 invalid argument           LQ004 invalid channel policy
+--   LQ005 invalid channel name       LQ006 payload too large
+-- Argument checks cost nothing when the arguments are good: a hot function first tests all its
+-- arguments in one plain expression and calls the named checks below only when that test fails,
+-- to say what is wrong (a plpgsql call or format() costs 15 to 40 microseconds).
+
+
 -- epoch(): the queue clock in ms. floor(epoch * 1000) keeps sub-second precision without
 -- counting the seconds twice. now() is fixed for a transaction, so within one transaction time
 -- does not move and order is decided by id.
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION epoch() RETURNS BIGINT
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
@@ -13,12 +29,9 @@ END;
 $$;
 
 
--- 0013_input_checks: refusals that fuzzing found reaching the server as PostgreSQL errors
--- instead of the queue's own SQLSTATEs. Each function is as before apart from the check.
---
--- arg_check() raised with whatever errcode and message it was given: called directly with an
--- unknown condition name or a NULL it failed with 42704 or 22004. It now only ever raises a
--- queue SQLSTATE (LQ000-LQ999, else LQ003) with a message.
+-- arg_check(): raise p_message with p_errcode unless p_ok is true. Only ever raises a queue
+-- SQLSTATE (LQ000-LQ999, else LQ003), whatever a direct caller passes.
+-- Locks: none. Raises: LQ003 or the given LQ code.
 CREATE OR REPLACE FUNCTION arg_check(p_ok BOOLEAN, p_message TEXT, p_errcode TEXT DEFAULT 'LQ003')
 RETURNS VOID
 LANGUAGE plpgsql IMMUTABLE
@@ -35,6 +48,8 @@ END;
 $$;
 
 
+-- arg_check_channel(): a channel name is 1 to 255 characters.
+-- Locks: none. Raises: LQ005.
 CREATE OR REPLACE FUNCTION arg_check_channel(p_channel TEXT) RETURNS VOID
 LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
@@ -49,23 +64,8 @@ END;
 $$;
 
 
--- 0016_lean_checks: argument checks that cost nothing when the arguments are good.
---
--- Every check was a call of a small function (arg_check and its wrappers), and each call
--- built its error message with format() before it knew whether it would raise. On this
--- machine a statement or function call inside plpgsql costs 15 to 40 microseconds, so the
--- checks were a visible share of the hot calls: four check calls (and four format()s) in each
--- worker step (message_complete_and_dequeue: its own, then message_dequeue_many's), and one
--- message_check_new call per message in message_create_many. Now each hot function first
--- tests its arguments in one plain expression and calls the named checks only when that test
--- fails, so the errors (codes and messages) are the same as before.
---
--- Changed, each otherwise as before: arg_check_lock_ms and arg_check_claim (return at once
--- when the value is good), message_complete_and_dequeue (as in 0010), message_dequeue_many (as
--- in 0011), message_create (as in 0002) and message_create_many (as in 0011: one statement
--- tests the whole batch).
-
--- arg_check_lock_ms(), arg_check_claim(): as in 0001, returning at once for a good value.
+-- arg_check_lock_ms(): a lock lasts 1 ms to 7 days. Returns at once for a good value.
+-- Locks: none. Raises: LQ003.
 CREATE OR REPLACE FUNCTION arg_check_lock_ms(p_lock_ms BIGINT) RETURNS VOID
 LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
@@ -82,6 +82,8 @@ END;
 $$;
 
 
+-- arg_check_time(): a time argument (p_name, for the message) is NULL or within +/-10^15 ms.
+-- Locks: none. Raises: LQ003.
 CREATE OR REPLACE FUNCTION arg_check_time(p_name TEXT, p_value BIGINT) RETURNS VOID
 LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
@@ -94,6 +96,8 @@ END;
 $$;
 
 
+-- arg_check_payload(): content or state is at most 64 MiB.
+-- Locks: none. Raises: LQ006.
 CREATE OR REPLACE FUNCTION arg_check_payload(p_name TEXT, p_value BYTEA) RETURNS VOID
 LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
@@ -107,6 +111,8 @@ END;
 $$;
 
 
+-- arg_check_dedup_key(): a dedup key is NULL or 1 to 255 characters.
+-- Locks: none. Raises: LQ003.
 CREATE OR REPLACE FUNCTION arg_check_dedup_key(p_dedup_key TEXT) RETURNS VOID
 LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
@@ -120,6 +126,9 @@ END;
 $$;
 
 
+-- arg_check_claim(): a claim on a held message names an id and the attempt count (at least 1)
+-- that dequeue returned. Returns at once for a good claim.
+-- Locks: none. Raises: LQ003.
 CREATE OR REPLACE FUNCTION arg_check_claim(p_id BIGINT, p_num_attempts INTEGER) RETURNS VOID
 LANGUAGE plpgsql IMMUTABLE
 SET search_path FROM CURRENT
@@ -140,6 +149,7 @@ $$;
 -- notifies takes a global lock at commit, so callers only publish when a channel can be served
 -- sooner than before, and a transaction publishes again only for an earlier time than it
 -- already announced (tracked in a transaction-local setting).
+-- Locks: none of ours (NOTIFY's commit lock). Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION event_publish(
     p_type TEXT, p_id BIGINT, p_channel TEXT, p_dequeue_at BIGINT
 ) RETURNS VOID
@@ -171,6 +181,7 @@ $$;
 
 
 -- config_get(): the installation's settings.
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION config_get() RETURNS TABLE (event_channel TEXT, archive BOOLEAN)
 LANGUAGE sql STABLE
 SET search_path FROM CURRENT
@@ -181,6 +192,7 @@ $$;
 
 -- config_set(): change the installation's settings. p_event_channel '' turns events off;
 -- NULL arguments leave a setting as it is.
+-- Locks: the config row. Raises: LQ003 (an event channel longer than 63 characters).
 CREATE OR REPLACE FUNCTION config_set(p_event_channel TEXT DEFAULT NULL, p_archive BOOLEAN DEFAULT NULL)
 RETURNS VOID
 LANGUAGE plpgsql
@@ -199,6 +211,7 @@ $$;
 
 
 -- clock_offset_set(): move the queue clock (tests only: expiry and schedules without sleeping).
+-- Locks: the config row. Raises: LQ003.
 CREATE OR REPLACE FUNCTION clock_offset_set(p_offset_ms BIGINT) RETURNS BIGINT
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -211,11 +224,11 @@ END;
 $$;
 
 
--- schema_version(): what was applied to this schema: the latest migration, the first
--- one's name, and the function layer's recorded checksum. A role granted
--- a kind has no right on the bookkeeping tables (nor CREATE on the schema): install() asks
--- this instead, so that an application that installs at every start still starts when it runs
--- as such a role, and is told when the schema needs an install by its owner.
+-- schema_version(): what was applied to this schema: the latest migration, the first one's
+-- name, and the function layer's recorded checksum. A role granted a kind has no right on the
+-- bookkeeping tables (nor CREATE on the schema): install() asks this instead, so that an
+-- application that installs at every start still starts when it runs as such a role, and is
+-- told when the schema needs an install by its owner.
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION schema_version()
 RETURNS TABLE (version INTEGER, baseline TEXT, functions_sha256 TEXT)

@@ -1,22 +1,30 @@
--- 0010_lean_calls: less work per call on a worker's steady path (finish one message, take the
--- next), with the same results, locks and errors.
+-- Channels: their advisory locks, rows and turns.
 --
--- A profile of message_complete_and_dequeue with one id (pg_stat_user_functions, one client,
--- 5,000 calls over 100 channels) spent about a fifth of its time outside any statement that
--- touches a row: message_delete_many's batch machinery for a single id, and calls of small
--- helpers that PostgreSQL cannot inline because they pin search_path. So:
+-- A channel with a policy (has_policy) has its row locked by every operation, and its counters
+-- (current_size, current_concurrency) are exact. A channel without one keeps no counters: its
+-- row only says when the channel is next worth a visit (next_dequeue_at) and whose turn it is,
+-- and exists while it may hold waiting messages. Create and defer write the row only when they
+-- make the channel due sooner than it says; finish does not touch it; the dequeue that holds
+-- the row (FOR UPDATE SKIP LOCKED) moves the channel to the back, and concurrent dequeues that
+-- find the row held take the channel's next heads anyway ("ride along"), so one hot channel
+-- serves many consumers at once.
 --
--- * channel_key() is a plain SQL expression, which the planner inlines into its callers. The
---   schema's hash is computed once, here, instead of on every call; the keys are unchanged.
--- * message_complete_and_dequeue() finishes a single held message directly (as
---   message_delete_many would, one id: the same checks, status and locks) and skips the finish
---   step when it holds none.
--- * channel_rotate() reads the channel's next waiting message itself rather than through
---   channel_rotate_next_at() (kept for compatibility).
+-- Safety rule: next_dequeue_at may be too early (a visit finds nothing and fixes it), never too
+-- late while a waiting message is due. A create that sees the row due early enough and skips
+-- writing it relies on nobody pushing next_dequeue_at past its message before it commits. So
+-- every operation on a channel's messages holds a shared advisory lock on the channel
+-- (channel_key) until it commits; pushing a channel's time into the future or deleting its row
+-- needs that lock in exclusive mode, which a dequeue only tries (it never waits); when the try
+-- fails, the dequeue pushes the time at most 10 ms ahead (a message created meanwhile is then
+-- served at most that much later, never lost). Setting a policy waits for the exclusive lock,
+-- so in-flight operations finish before it counts the channel's messages.
 
--- channel_key(): as in 0002 (hashtextextended of the name, seeded with the schema's hash),
--- with the seed fixed at install time. Not SECURITY DEFINER and no SET clause: the planner
--- inlines it (it names pg_catalog explicitly, so no search_path can redirect it).
+
+-- channel_key(): the advisory lock key of a channel of this schema: hashtextextended of the
+-- name, seeded with the schema's hash (computed once, when the function is created). Not
+-- SECURITY DEFINER and no SET clause, so that the planner inlines it into its callers; it names
+-- pg_catalog explicitly, so no search_path can redirect it.
+-- Locks: none. Raises: nothing of ours.
 DO $$
 BEGIN
     EXECUTE format(
@@ -32,6 +40,7 @@ $$;
 
 -- channel_lock(): lock a channel's row for update, creating it when missing.
 -- Locks: the channel row (FOR UPDATE), held until the transaction ends.
+-- Raises: 40001 when the row keeps disappearing (the caller may retry).
 CREATE OR REPLACE FUNCTION channel_lock(p_channel TEXT) RETURNS channel
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -57,6 +66,7 @@ $$;
 
 -- channel_next_at(): when the channel's head may next leave, given the earliest time the
 -- release interval allows; NULL when nothing waits. One probe of message_channel_head_ix.
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_next_at(p_channel TEXT, p_release_at BIGINT) RETURNS BIGINT
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
@@ -74,6 +84,7 @@ $$;
 
 -- channel_servable_at(): when a channel can next give a message, or NULL when it cannot
 -- (nothing waiting, or saturated until a message finishes).
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_servable_at(
     p_next_at BIGINT, p_concurrency BIGINT, p_max_concurrency INTEGER
 ) RETURNS BIGINT
@@ -89,6 +100,7 @@ $$;
 
 -- channel_announce(): publish an event when a change made a channel servable sooner than
 -- before (the only case where a sleeping worker has a reason to wake).
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_announce(
     p_before BIGINT, p_after BIGINT, p_type TEXT, p_id BIGINT, p_channel TEXT
 ) RETURNS VOID
@@ -103,26 +115,15 @@ END;
 $$;
 
 
--- 0020_create_unlocked: a single create or defer no longer locks a channel row that is due,
--- and a create without a dedup key is a plain insert.
---
--- channel_wake (the single create's and the defer's way of making a policy-free channel due)
--- still used the upsert that 0019 took out of message_create_many: when the channel's row was
--- missing as the caller saw it and another session had made it since, INSERT ... ON CONFLICT
--- DO UPDATE locked that row before testing whether it was late, and a due row is what every
--- dequeue takes (SKIP LOCKED), so the creator could wait behind one dequeue after another. It
--- now does what message_create_many does since 0019: a missing row is made under the
--- channel's creation lock, after looking again; an existing row is locked and moved forward
--- only while it is later than the message and than the clock now plus 10 ms.
---
--- message_create inserted every message with ON CONFLICT (channel, dedup_key) DO NOTHING.
--- That is a speculative insertion even when the key is NULL (and the row is not in the
--- partial unique index): an extra HEAP_CONFIRM record in the WAL for each message, about 5 %
--- of what a message writes to the WAL in the steady single-message shapes of the bench
--- (create, take and finish). Without a key the insert is now a plain one.
-
-
--- channel_wake(): as in 0011, with the channel row written as said above.
+-- channel_wake(): make a policy-free channel due no later than p_at (a single create's and a
+-- defer's way), announcing it when that is sooner. The row is written only while it is later
+-- than the message and than the clock now plus 10 ms: a due row is what every dequeue takes
+-- (SKIP LOCKED), and locking one would make the creator wait behind one dequeue after another.
+-- A missing row is made under the channel's creation lock (an advisory lock), after
+-- looking again, so a row another session made meanwhile is never inserted over (an upsert
+-- would lock it before testing it).
+-- Locks: the channel's row when it is moved forward; the creation lock when the row is made.
+-- Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_wake(
     p_channel TEXT, p_at BIGINT, p_seen BOOLEAN, p_seen_next BIGINT, p_type TEXT, p_id BIGINT
 ) RETURNS VOID
@@ -141,7 +142,7 @@ BEGIN
     IF NOT v_found THEN
         -- Missing as the caller saw it: made by one creator at a time, each looking again
         -- (as committed now) once it holds the channel's creation lock, so a row another
-        -- session made meanwhile is not inserted over (see 0019).
+        -- session made meanwhile is not inserted over.
         PERFORM pg_advisory_xact_lock(channel_key(p_channel) # 1);
         INSERT INTO channel AS c (name, next_dequeue_at)
         SELECT p_channel, p_at
@@ -154,8 +155,8 @@ BEGIN
         SELECT c.next_dequeue_at INTO v_next FROM channel c WHERE c.name = p_channel;
         v_found := FOUND;
     END IF;
-    -- The clock now (not as the transaction started), plus the 10 ms of 0011: a row due by
-    -- then is left alone, even while a dequeue holds it (see 0019 for why that is safe).
+    -- The clock now (not as the transaction started), plus 10 ms: a row due by then is left
+    -- alone, even while a dequeue holds it (the safety rule at the top of this file).
     v_clock := epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT + 10;
     IF v_found AND v_next <= greatest(p_at, v_clock) THEN
         RETURN;
@@ -165,7 +166,7 @@ BEGIN
         WHERE c.name = p_channel
           AND (c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(p_at, v_clock));
     ELSE
-        -- Still invisible to this transaction (a snapshot older than the row): as before 0020.
+        -- Still invisible to this transaction (a snapshot older than the row): an upsert.
         INSERT INTO channel AS c (name, next_dequeue_at) VALUES (p_channel, p_at)
         ON CONFLICT (name) DO UPDATE SET next_dequeue_at = least(c.next_dequeue_at, p_at)
         WHERE c.next_dequeue_at IS NULL OR c.next_dequeue_at > p_at;
@@ -177,7 +178,15 @@ END;
 $$;
 
 
--- channel_rotate(): as in 0007.
+-- channel_rotate(): send a channel to the back after a dequeue: its next time becomes its next
+-- waiting message's dequeue_at (not before p_now when it was just served), and its row goes
+-- when nothing waits. Pushing the time later or deleting the row needs the channel's exclusive
+-- advisory lock, which it only tries; holding it, it reads the next message again (a create that
+-- committed between the first read and the lock would otherwise be left with no row that says
+-- its channel is due: tests/reliability/test_rotate_race.py replays that). Without the lock the
+-- time moves at most 10 ms ahead.
+-- Locks: the channel row (held by the caller); tries the exclusive advisory lock.
+-- Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_rotate(p_channel TEXT, p_now BIGINT, p_served BOOLEAN)
 RETURNS VOID
 LANGUAGE plpgsql
@@ -218,21 +227,9 @@ END;
 $$;
 
 
--- 0007_rotate_recheck: channel_rotate reads the channel's next waiting message again once it
--- holds the channel's exclusive advisory lock.
---
--- 0002's channel_rotate read the next waiting message first and took the lock after. A create
--- of a policy-free channel that saw the row due already (and so did not write it) could commit
--- between the two: the lock was then free, and the rotate, going by its earlier read, deleted
--- the row (or pushed its time past the new message). The message was left with no row that
--- says the channel is due, and no dequeue found it until something else woke the channel
--- (tests/reliability/test_rotate_race.py replays that interleaving). Once the exclusive lock is
--- held no create or defer of the channel is in flight, and a new statement sees every one that
--- committed (READ COMMITTED; a dequeue run in a caller's REPEATABLE READ transaction keeps its
--- snapshot and keeps the old window), so the second read is the one to act on.
-
 -- channel_rotate_next_at(): when a rotated channel is next worth a visit: its next waiting
 -- message's dequeue_at (not before p_now when it was just served); NULL when nothing waits.
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_rotate_next_at(p_channel TEXT, p_now BIGINT, p_served BOOLEAN)
 RETURNS BIGINT
 LANGUAGE sql VOLATILE

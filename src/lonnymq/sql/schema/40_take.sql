@@ -1,6 +1,32 @@
+-- Taking messages: dequeue one or many, and extend the locks of those you hold.
+--
+-- Each message is found by one index probe: first the oldest expired lock (its attempt is
+-- counted again and its channel slot, never released, stays taken); otherwise the head of the
+-- channel with the earliest next dequeue time that is under its concurrency limit. That
+-- channel's next time moves to max(next head's dequeue_at, now + release interval) and it goes
+-- behind channels with the same time (round robin). When every due channel's row is held by
+-- another dequeue, a channel without a policy is served anyway: its next waiting heads are
+-- taken without its row ("riding along": they are distinct rows, locked with SKIP LOCKED). A
+-- channel with a policy must be served under its row: the call then polls that row (NOWAIT,
+-- for up to about 0.1 s) rather than report an empty queue while messages are ready.
+--
+-- A dequeue of one message (a worker's steady state) takes a short path, message_take_one:
+-- three statements at most (recover an expired lock, lock the channel whose turn it is and take
+-- its head, or ride along on the first busy channel's next head). Any other case is served by
+-- the general loop, message_dequeue_loop. Measured side by side with the loop alone (8 pgbench
+-- clients finishing one message and taking the next, PostgreSQL 15): one hot channel 4,487 ->
+-- 5,569 calls/s, 100 channels 5,663 -> 5,979.
+--
+-- The head probes run with bitmap and sequential scans off and without JIT (SET clauses): a
+-- probe is one ordered index scan, whatever the statistics say of a table that churns.
+
+
 -- message_take_one(): lock one message the usual way (see the top of this file), or return
 -- NULL and change nothing a later message_dequeue_loop would not: the channel row it locked,
--- or a channel sent back by channel_rotate when none of its heads could be taken.
+-- or a channel sent back by channel_rotate when none of its heads could be taken. A channel
+-- with a policy is handed over to the loop with its row held.
+-- Locks: the message it returns and the channel row it serves (SKIP LOCKED); advisory locks it
+-- only tries. It never waits for a lock. Raises: nothing of ours (the callers check).
 CREATE OR REPLACE FUNCTION message_take_one(p_lock_ms BIGINT) RETURNS message
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -118,21 +144,20 @@ END;
 $$;
 
 
--- 0039_ride_along_tally: a batch riding along on many busy channels counts what each gave in
--- one grouping.
---
--- Step 2b of message_dequeue_loop (a batch riding along, in one statement, on due channels
--- whose rows other dequeues hold) then decides which of those channels to pass (they gave less
--- than their share, so they have no head left) and which to try again. It counted each
--- channel's messages by a scan of the whole batch per channel: |channels| x |batch|. With
--- every channel row of 100,000 channels held by another transaction, two messages in each, a
--- take of 10,000 rode along on 9,999 channels and that count took 7.0 s of the call's 7.5 s
--- (PostgreSQL 15, pg_stat_statements with track = all).
---
--- The statement that takes the heads now also counts them: its picked heads grouped by
--- channel, with one row per ridden channel beside them so that a channel that gave nothing
--- counts 0 (a grouping, not a join: n log n in any plan the session caches). The channels
--- passed and those kept come out of it in turn order, as before.
+-- message_dequeue_loop(): the general dequeue: lock up to p_limit messages for p_lock_ms, as
+-- described at the top of this file. A batch shares the due policy-free channels' slots
+-- fairly, leaving one slot for each channel with a policy it passes (the one-by-one steps that
+-- follow serve those: they hold the earliest turns). A batch riding along on many busy channels
+-- counts what each gave in the statement that takes the heads (grouped by channel, one row per
+-- ridden channel beside them): counting per channel was |channels| x |batch| (7.0 s of a 7.5 s
+-- take of 10,000 over 100,000 held channels).
+-- When no message is returned, one row comes back with id NULL and retry_at set to the
+-- earliest time a message may become available: the next due time of a servable channel, or
+-- the earliest lock expiry. It is NULL only when nothing is waiting in a servable channel and
+-- nothing is locked; a saturated channel becomes servable when one of its messages finishes,
+-- which publishes an event.
+-- Locks: rows it returns and the channel rows it serves; advisory locks it only tries; a
+-- policy channel's row polled with NOWAIT. Raises: LQ003 (bad limit or lock_ms).
 CREATE OR REPLACE FUNCTION message_dequeue_loop(p_limit INTEGER, p_lock_ms BIGINT)
 RETURNS TABLE (
     id BIGINT, channel TEXT, content BYTEA, state BYTEA, num_attempts INTEGER,
@@ -612,7 +637,9 @@ END;
 $$;
 
 
--- message_dequeue_many(): as before (0016), through message_take_one when the limit is 1.
+-- message_dequeue_many(): lock up to p_limit messages for p_lock_ms (see message_dequeue_loop
+-- for the rows it returns), through message_take_one when the limit is 1.
+-- Locks: as message_dequeue_loop. Raises: LQ003 (bad limit or lock_ms).
 CREATE OR REPLACE FUNCTION message_dequeue_many(p_limit INTEGER, p_lock_ms BIGINT)
 RETURNS TABLE (
     id BIGINT, channel TEXT, content BYTEA, state BYTEA, num_attempts INTEGER,
@@ -646,6 +673,7 @@ $$;
 
 
 -- message_dequeue(): lock one message; see message_dequeue_many.
+-- Locks: as message_dequeue_loop. Raises: LQ003 (bad lock_ms).
 CREATE OR REPLACE FUNCTION message_dequeue(p_lock_ms BIGINT)
 RETURNS TABLE (
     id BIGINT, channel TEXT, content BYTEA, state BYTEA, num_attempts INTEGER,
@@ -658,15 +686,11 @@ AS $$
 $$;
 
 
--- 0033_heartbeat_clock: a heartbeat extends a lock from the time it runs.
---
--- message_heartbeat and message_heartbeat_many set unlock_at to epoch() + lock_ms, and
--- epoch() is the time the caller's transaction began. A heartbeat sent inside a longer
--- transaction (the README suggests heartbeating in your own transaction, last, just before
--- commit) therefore extended the lock by less than lock_ms, or not at all: in a review, a
--- heartbeat of 2 s at the end of a 3 s transaction left the lock already expired, and another
--- worker took the message at once. Both now count from the clock as the call runs, as a
--- dequeue does (0002).
+-- message_heartbeat(): extend the lock of a message you hold to p_lock_ms from the clock as
+-- the call runs (not as its transaction began: a heartbeat sent last in a longer transaction
+-- must still extend the lock by p_lock_ms), as a dequeue does.
+-- Locks: the message row. Raises: LQ001, LQ002 (not held: its lock expired or another attempt
+-- holds it), LQ003.
 CREATE OR REPLACE FUNCTION message_heartbeat(p_id BIGINT, p_num_attempts INTEGER, p_lock_ms BIGINT)
 RETURNS BIGINT
 LANGUAGE plpgsql
@@ -691,6 +715,12 @@ END;
 $$;
 
 
+-- message_heartbeat_many(): extend the locks of many messages you hold to the clock as the call
+-- runs plus p_lock_ms. Each is checked on its own, like message_heartbeat: 'ok', 'stale' (not
+-- locked, or locked by a later attempt) or 'not_found', per id in input order; a stale one is
+-- left alone.
+-- Locks: the message rows, in id order (so two callers cannot deadlock).
+-- Raises: LQ003 (bad lock_ms, mismatched arrays, NULL ids or attempts).
 CREATE OR REPLACE FUNCTION message_heartbeat_many(
     p_ids BIGINT[], p_num_attempts INTEGER[], p_lock_ms BIGINT
 ) RETURNS TABLE (id BIGINT, status TEXT)

@@ -1,7 +1,25 @@
+-- Finishing messages: delete (complete or fail, archiving when the archive is on) and defer,
+-- one or many, and where a message is.
+--
+-- Each operation verifies that the caller holds the message: it is locked and carries the
+-- attempt count the caller's dequeue returned. If not, its lock expired and someone else may
+-- own it now: the operation refuses (LQ002, or 'stale' in a batch) and changes nothing, which
+-- keeps the concurrency accounting exact. The batch forms check each message on its own and
+-- use no subtransaction per message: a backend keeps the ids of at most 64 subtransactions in
+-- shared memory, beyond that other sessions' visibility checks may have to read pg_subtrans,
+-- and every id brings the next anti-wraparound vacuum closer (a Spark streaming read gives back
+-- up to 50,000 messages in one call).
+--
+-- An archived message's finished_at is never before its locked_at: a dequeue stamps locked_at
+-- with the clock as the call runs, finishing uses epoch() (the transaction's start), so a
+-- message taken and finished in one transaction is stamped at least its locked_at.
+
+
 -- message_refuse(): a caller said it holds a message, and the statement that required it
 -- matched nothing: raise why. LQ001 when the message does not exist; LQ002 when it is not
 -- locked (its lock expired and it went back, or it was never dequeued) or carries another
 -- attempt count (its lock expired and another dequeue took it).
+-- Locks: none. Raises: LQ001, LQ002.
 CREATE OR REPLACE FUNCTION message_refuse(p_id BIGINT, p_num_attempts INTEGER) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -27,7 +45,8 @@ END;
 $$;
 
 
--- message_finish(): message_finish_try, raising LQ001 / LQ002 when you do not hold it.
+-- message_finish(): message_finish_try, raising when you do not hold the message.
+-- Locks: as message_finish_try. Raises: LQ001, LQ002.
 CREATE OR REPLACE FUNCTION message_finish(
     p_id BIGINT, p_num_attempts INTEGER, p_outcome TEXT, p_error TEXT
 ) RETURNS VOID
@@ -42,16 +61,12 @@ END;
 $$;
 
 
--- 0041_finished_after_locked: an archived message is never finished before it was locked.
---
--- A dequeue stamps locked_at with the clock as the call runs (0021: another session may have
--- moved the queue on since this transaction began), while finishing stamped finished_at with
--- epoch(), the time the transaction began. A message taken and finished in one transaction
--- (a caller's, dequeue and delete inside it) was archived with finished_at before locked_at:
--- a negative processing time in the archive that Spark reads for its reports (found in
--- review: -201 ms after a 0.2 s statement ahead of the dequeue). Both functions that archive
--- a finished message now stamp at least its locked_at. Nothing else changes: same arguments,
--- results, locks, errors and events, and the settings 0037 gave them.
+-- message_finish_try(): delete a message you hold, keep a copy with its outcome when the
+-- archive is on, and, for a channel with a policy, free its slot (announcing the channel when
+-- that makes it servable). A policy-free channel's row is not touched. Returns 'ok', or
+-- 'stale' / 'not_found' (and changes nothing) when you do not hold the message.
+-- Locks: the message row, the channel's shared advisory lock, and the row of a channel with a
+-- policy. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION message_finish_try(
     p_id BIGINT, p_num_attempts INTEGER, p_outcome TEXT, p_error TEXT
 ) RETURNS TEXT
@@ -102,7 +117,7 @@ $$;
 
 
 -- message_delete(): finish a message you hold (outcome 'completed' unless told otherwise).
--- Raises: LQ001, LQ002, LQ003.
+-- Locks: as message_finish_try. Raises: LQ001, LQ002, LQ003.
 CREATE OR REPLACE FUNCTION message_delete(
     p_id BIGINT, p_num_attempts INTEGER,
     p_outcome TEXT DEFAULT 'completed', p_error TEXT DEFAULT NULL
@@ -119,6 +134,11 @@ END;
 $$;
 
 
+-- message_delete_many(): the batch form of delete. Each message is checked on its own: the
+-- result row says 'ok', 'stale' or 'not_found' per id, in input order, so one lost lock does
+-- not undo the rest of a batch. An id named twice is finished once (one message at a time).
+-- Locks: messages and channel rows in (channel, id) order, each message before its channel;
+-- the channels' shared advisory locks. Raises: LQ003 (mismatched arrays, NULL ids or attempts).
 CREATE OR REPLACE FUNCTION message_delete_many(p_ids BIGINT[], p_num_attempts INTEGER[])
 RETURNS TABLE (id BIGINT, status TEXT)
 LANGUAGE plpgsql
@@ -151,7 +171,7 @@ BEGIN
     END IF;
 
     IF (SELECT count(DISTINCT t.id) FROM unnest(p_ids) AS t(id)) < cardinality(p_ids) THEN
-        -- An id named twice: one message at a time, as in 0002.
+        -- An id named twice: one message at a time.
         v_status := array_fill(NULL::TEXT, ARRAY[cardinality(p_ids)]);
         FOR v_item IN
             SELECT t.id, t.num_attempts, t.ord
@@ -241,6 +261,8 @@ END;
 $$;
 
 
+-- message_requeue(): message_requeue_try, raising when you do not hold the message.
+-- Locks: as message_requeue_try. Raises: LQ001, LQ002.
 CREATE OR REPLACE FUNCTION message_requeue(
     p_id BIGINT, p_num_attempts INTEGER, p_dequeue_at BIGINT, p_state BYTEA
 ) RETURNS VOID
@@ -255,21 +277,12 @@ END;
 $$;
 
 
--- 0026_defer_many_no_subtransactions: a batch defer without a subtransaction per message.
---
--- message_defer_many tried each message in a BEGIN … EXCEPTION block, to turn a refused
--- claim into a status: one subtransaction, and one transaction id, per message. A backend
--- keeps the ids of at most 64 subtransactions in shared memory; beyond that its transaction is
--- "overflowed", and while it runs other sessions' visibility checks may have to look its
--- subtransactions up in pg_subtrans. Every id used also brings the next anti-wraparound
--- vacuum closer. The Spark streaming read gives back up to 50,000 messages in one call (a
--- released batch), a plan's give-back up to 10,000.
---
--- message_requeue_try does what message_requeue did and answers FALSE, changing nothing,
--- where message_requeue raised; message_requeue raises on FALSE as before. The batch calls
--- the former in the same (channel, id) order, and a refused claim gets its status ('stale' or
--- 'not_found') from one look-up at the end. An id named twice is deferred once: the second
--- claim is refused ('stale'), as before.
+-- message_requeue_try(): put a message you hold back to wait until p_dequeue_at (default now),
+-- keeping its attempt count and replacing its state when p_state is given; free its channel
+-- slot (channels with a policy) and bring the channel's next dequeue time forward when the
+-- message now comes first. Returns FALSE, changing nothing, when you do not hold it.
+-- Locks: the message row, the channel's shared advisory lock, and the channel row when the
+-- channel has a policy or the message makes it due sooner. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION message_requeue_try(
     p_id BIGINT, p_num_attempts INTEGER, p_dequeue_at BIGINT, p_state BYTEA
 ) RETURNS BOOLEAN
@@ -319,7 +332,7 @@ $$;
 
 -- message_defer(): give back a message you hold, to be dequeued again at p_dequeue_at
 -- (default now) with the same attempt count; p_state, when not NULL, replaces its saved state.
--- Raises: LQ001, LQ002, LQ003, LQ006.
+-- Locks: as message_requeue_try. Raises: LQ001, LQ002, LQ003, LQ006.
 CREATE OR REPLACE FUNCTION message_defer(
     p_id BIGINT, p_num_attempts INTEGER,
     p_dequeue_at BIGINT DEFAULT NULL, p_state BYTEA DEFAULT NULL
@@ -336,6 +349,11 @@ END;
 $$;
 
 
+-- message_defer_many(): the batch form of defer: 'ok', 'stale' or 'not_found' per id, in input
+-- order, from one look-up at the end for the refused claims. An id named twice is deferred
+-- once: the second claim is refused ('stale').
+-- Locks: as message_requeue_try for each message, in (channel, id) order.
+-- Raises: LQ003 (mismatched arrays, NULL ids or attempts, bad times), LQ006.
 CREATE OR REPLACE FUNCTION message_defer_many(
     p_ids BIGINT[], p_num_attempts INTEGER[],
     p_dequeue_ats BIGINT[] DEFAULT NULL, p_states BYTEA[] DEFAULT NULL
@@ -385,11 +403,13 @@ END;
 $$;
 
 
--- message_complete_and_dequeue(): as in 0016, taking through message_take_one when the
--- limit is 1. It calls message_take_one itself rather than through message_dequeue_many: one
--- function call and one RETURN QUERY fewer on a worker's steady path. Through
--- message_dequeue_many, benchmarks/take_one.py measured 0.92-0.99x the loop's rate on 100
--- channels (1.23-1.29x on one), against 1.10-1.20x (1.21x) when called directly.
+-- message_complete_and_dequeue(): a worker's step in one call: finish the messages it holds
+-- (as message_delete_many) and take up to p_limit more (as message_dequeue_many). A single held
+-- message is finished directly, and a limit of 1 calls message_take_one itself: one function
+-- call and one RETURN QUERY fewer on a worker's steady path (0.92-0.99x the loop's rate on 100
+-- channels through message_dequeue_many, 1.10-1.20x called directly: benchmarks/take_one.py).
+-- Locks: as message_delete_many, then as message_dequeue_loop.
+-- Raises: LQ003 (mismatched arrays, NULL ids or attempts, bad limit or lock_ms).
 CREATE OR REPLACE FUNCTION message_complete_and_dequeue(
     p_ids BIGINT[], p_num_attempts INTEGER[], p_limit INTEGER, p_lock_ms BIGINT
 ) RETURNS TABLE (
@@ -453,6 +473,7 @@ $$;
 -- message_status(): where a message is: 'waiting' or 'locked' while it is live; 'finished'
 -- once archived (with its outcome, error, attempts and finish time); 'unknown' when it is
 -- neither (finished while the archive was off, or never created).
+-- Locks: none. Raises: LQ003 (NULL id).
 CREATE OR REPLACE FUNCTION message_status(p_id BIGINT)
 RETURNS TABLE (status TEXT, outcome TEXT, error TEXT, num_attempts INTEGER, finished_at BIGINT)
 LANGUAGE plpgsql STABLE

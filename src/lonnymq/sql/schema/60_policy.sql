@@ -1,3 +1,6 @@
+-- Channel policies (max_concurrency, release_interval_ms, max_size) and per-channel stats.
+
+
 -- channel_policy_set(): set a channel's policy; NULL means unlimited. It applies at once to
 -- the live channel (a lower max_concurrency lets in-flight messages finish; a lower max_size
 -- keeps the messages already there) and stays when the channel empties. A channel that had no
@@ -96,6 +99,7 @@ $$;
 -- channel_stats(): every channel that holds messages or has a policy. Channels with a policy
 -- report their counters; the others are counted from the message table (a scan: this is an
 -- operator's view, not a hot path).
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_stats()
 RETURNS TABLE (
     channel TEXT, size BIGINT, in_flight BIGINT, next_dequeue_at BIGINT,

@@ -1,6 +1,9 @@
+-- The archive: finished messages, kept when config.archive is on, listed and replayed.
+
+
 -- archive_list(): archived messages, newest first, optionally of one outcome and channel,
 -- older than p_before_id (for paging). Outcome 'failed' and the like use archive_failed_ix.
--- Raises: LQ003 (limit outside 1..10000).
+-- Locks: none. Raises: LQ003 (limit outside 1..10000).
 CREATE OR REPLACE FUNCTION archive_list(
     p_outcome TEXT DEFAULT NULL, p_channel TEXT DEFAULT NULL,
     p_before_id BIGINT DEFAULT NULL, p_limit INTEGER DEFAULT 100

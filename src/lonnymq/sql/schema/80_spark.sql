@@ -1,5 +1,18 @@
+-- What the PySpark data source (lonnymq.spark) calls, named spark_<noun>_<verb>.
+--
+-- A Spark write never creates messages from its tasks: each task stages its rows (binary COPY
+-- into spark_stage, recorded with spark_stage_record) and the driver's commit promotes the
+-- winning attempts' rows in one transaction, recorded in spark_commit, so that a commit that
+-- runs twice enqueues once. A streaming read records each planned micro-batch in spark_batch,
+-- so that a replayed batch yields the same messages, and finishes them only once Spark has
+-- committed the batch; its consumer belongs to one checkpoint (spark_consumer). Sink names are
+-- claimed by one streaming query or by batch writes (spark_sink), so that two writers never
+-- skip each other's batches in silence.
+
+
 -- spark_stage_record(): a write task staged p_n_rows rows under (p_write_id, p_task_tag);
--- called in the transaction of its COPY. Raises: LQ003 (missing ids, negative count).
+-- called in the transaction of its COPY.
+-- Locks: the task's spark_stage_task row. Raises: LQ003 (missing ids, negative count).
 CREATE OR REPLACE FUNCTION spark_stage_record(p_write_id TEXT, p_task_tag TEXT, p_n_rows BIGINT)
 RETURNS VOID
 LANGUAGE plpgsql
@@ -17,6 +30,7 @@ $$;
 
 -- spark_stage_clear(): forget everything staged under p_write_id (after a commit, or when a
 -- write is aborted). Returns the number of staged rows removed.
+-- Locks: the write's staged rows. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION spark_stage_clear(p_write_id TEXT) RETURNS BIGINT
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -36,7 +50,8 @@ $$;
 -- p_older_than_ms ago (left behind by a driver that died between its tasks and its commit or
 -- abort), and commit records older than that (a sink that commits again after that long could
 -- not be recognised as a replay, so keep it well above any restart delay).
--- Returns the staged rows removed. Raises: LQ003 (negative or NULL age).
+-- Returns the staged rows removed.
+-- Locks: the rows it deletes. Raises: LQ003 (negative or NULL age).
 CREATE OR REPLACE FUNCTION spark_stage_purge(p_older_than_ms BIGINT) RETURNS BIGINT
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -63,8 +78,23 @@ END;
 $$;
 
 
--- spark_write_commit(): as in 0008 (same arguments, results, locks and errors); the top of
--- this file says what changed. Raises: LQ003, LQ005, LQ006 (a staged row that is not a valid
+-- spark_write_commit(): commit a Spark write: enqueue the rows that the winning task attempts
+-- (p_task_tags) staged under p_write_id, once per (p_sink_id, p_batch_id), and clear the
+-- write's staging. staged is the number of rows found for those tags: the caller compares it
+-- with what the tasks reported and rolls back when they differ. When the commit was already
+-- recorded, is_new is FALSE and nothing is enqueued. dropped_channels names up to 20 channels
+-- that refused messages for their max_size.
+-- A channel without a policy none of whose rows carries a dedup key is promoted the fast way,
+-- with one INSERT ... SELECT from staging (nothing can refuse or deduplicate its rows: ids in
+-- task order, input order within a task) and made due at its earliest new message; the other
+-- channels go through message_create_many, whole, in chunks ordered by channel. One scan both
+-- validates the rows and groups them per channel; the INSERT returns nothing (the one event of
+-- the write names the first new message of its channel, looked up above an id drawn before the
+-- INSERT: every later id of a locked channel is this write's).
+-- Locks: the commit record, then every channel row of the write in name order (has_policy is
+-- read under it, so channel_policy_set waits for the commit and then counts the new messages;
+-- holding the row also keeps dequeues from moving the channel to the back meanwhile); staging
+-- as spark_stage_clear_fast. Raises: LQ003, LQ005, LQ006 (a staged row that is not a valid
 -- message).
 CREATE OR REPLACE FUNCTION spark_write_commit(
     p_sink_id TEXT, p_batch_id BIGINT, p_write_id TEXT, p_task_tags TEXT[],
@@ -220,7 +250,7 @@ BEGIN
         END IF;
     END LOOP;
 
-    -- The other channels: through message_create_many, as in 0004 (only when there are any).
+    -- The other channels: through message_create_many (only when there are any).
     FOR v_chunk IN
         WITH rows AS (
             SELECT s.channel, s.content, s.dequeue_at, s.dedup_key,
@@ -281,6 +311,7 @@ $$;
 
 -- spark_write_result(): what the commit of (p_sink_id, p_batch_id) enqueued; no row when it
 -- was not committed (or was purged).
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION spark_write_result(p_sink_id TEXT, p_batch_id BIGINT)
 RETURNS TABLE (created BIGINT, deduplicated BIGINT, dropped BIGINT, committed_at BIGINT)
 LANGUAGE sql STABLE
@@ -291,9 +322,10 @@ AS $$
 $$;
 
 
--- spark_sink_prune(): as in 0004, with p_keep checked (LQ003 unless 0 to 2^31 - 1) and a
--- p_batch_id so low that p_batch_id - p_keep does not fit a BIGINT pruning nothing (no batch
--- id is below it) instead of failing with "bigint out of range".
+-- spark_sink_prune(): forget a streaming sink's commit records older than its last p_keep
+-- micro-batches (Spark only ever replays the last one or two). A p_batch_id so low that
+-- p_batch_id - p_keep does not fit a BIGINT prunes nothing.
+-- Locks: the rows it deletes. Raises: LQ003 (p_keep outside 0 to 2^31 - 1).
 CREATE OR REPLACE FUNCTION spark_sink_prune(p_sink_id TEXT, p_batch_id BIGINT, p_keep INTEGER)
 RETURNS VOID
 LANGUAGE plpgsql
@@ -313,6 +345,7 @@ $$;
 -- spark_consumer_lock(): take the session advisory lock that makes p_consumer this session's
 -- (released when the session ends, so a killed query frees it). FALSE when another session
 -- holds it: two streaming queries must not share a consumer.
+-- Locks: the consumer's session advisory lock (tried). Raises: LQ003 (bad consumer name).
 CREATE OR REPLACE FUNCTION spark_consumer_lock(p_consumer TEXT) RETURNS BOOLEAN
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -330,7 +363,7 @@ $$;
 -- spark_batch_ack(): finish the messages of p_consumer's batches up to p_batch_no (Spark has
 -- committed them) and forget those batches. A message whose lock was lost meanwhile (another
 -- consumer holds it now) is left alone. Returns how many were finished.
--- Locks: messages and channel rows as message_delete_many.
+-- Locks: messages and channel rows as message_delete_many. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION spark_batch_ack(p_consumer TEXT, p_batch_no BIGINT) RETURNS BIGINT
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -361,6 +394,7 @@ $$;
 -- spark_batch_release(): give back (due now, attempts kept) the messages of p_consumer's
 -- batches after p_batch_no: batches it planned that Spark never recorded (the driver died
 -- in between). Returns how many were given back.
+-- Locks: as message_defer_many. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION spark_batch_release(p_consumer TEXT, p_batch_no BIGINT) RETURNS BIGINT
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -387,19 +421,17 @@ END;
 $$;
 
 
--- 0034_spark_skips_schedules: a streaming read leaves schedules' drivers to the workers.
---
--- A schedule is a driver message in the reserved channel 'lonnymq.schedules' that is never
--- finished: a Worker fires it (creates the task, defers the driver to its next time). The
--- Spark streaming read took messages through message_dequeue_many from every channel, drivers
--- included, and finished them when their micro-batch committed: every schedule a streaming
--- query met was gone for good (found in review, with a Worker and a query on one queue).
---
--- spark_batch_plan now gives a driver back as it gives back a message past the horizon
--- (0024): held by the plan's transaction while it takes the rest, then returned at its own
--- dequeue_at with its attempt count as it was, so the plan passes it and a Worker fires it.
--- spark_batch_waiting no longer counts the drivers' channel (Trigger.AvailableNow would wait
--- for a driver it will never take).
+-- spark_batch_plan(): plan p_consumer's micro-batch after batch p_start. In one transaction:
+-- finish batches <= p_start (Spark asks for the next batch only once the previous one is in
+-- its commit log), give back orphan batches > p_start, then lock up to p_limit messages for
+-- p_lock_ms and record them as batch p_start + 1. With p_max_id (Trigger.AvailableNow),
+-- messages created after the query started stay locked by this transaction while it takes the
+-- rest (so the dequeues that follow pass them) and are then given back at their own dequeue_at
+-- with their attempt count as it was. Schedules' drivers are given back the same way: they are
+-- never finished, a Worker fires them.
+-- Returns the batch number planned (p_start when nothing was ready) and its size.
+-- Locks: as message_delete_many, message_defer_many and message_dequeue_many.
+-- Raises: LQ003 (bad consumer, start, limit or lock_ms).
 CREATE OR REPLACE FUNCTION spark_batch_plan(
     p_consumer TEXT, p_start BIGINT, p_limit INTEGER, p_lock_ms BIGINT,
     p_max_id BIGINT DEFAULT NULL
@@ -479,7 +511,10 @@ END;
 $$;
 
 
--- spark_batch_heartbeat(): as in 0004, a busy message counted neither way.
+-- spark_batch_heartbeat(): extend the locks of every message p_consumer has planned and not
+-- finished. Returns how many were extended and how many were lost (stale or gone); a message
+-- another transaction holds now is counted neither way.
+-- Locks: as message_heartbeat_many. Raises: LQ003 (bad lock_ms).
 CREATE OR REPLACE FUNCTION spark_batch_heartbeat(p_consumer TEXT, p_lock_ms BIGINT)
 RETURNS TABLE (extended BIGINT, lost BIGINT)
 LANGUAGE plpgsql
@@ -511,6 +546,7 @@ $$;
 
 -- spark_batch_read(): the recorded messages of p_consumer's batches in (p_after, p_upto],
 -- slice p_slice of p_slices (by id), in batch and id order.
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION spark_batch_read(
     p_consumer TEXT, p_after BIGINT, p_upto BIGINT, p_slice INTEGER, p_slices INTEGER
 ) RETURNS TABLE (
@@ -530,6 +566,7 @@ $$;
 
 -- spark_scan_bounds(): the smallest and largest id of the message table ('message') or of
 -- the archive ('archive'), for planning a parallel read. NULLs when it is empty.
+-- Locks: none. Raises: LQ003 (another table).
 CREATE OR REPLACE FUNCTION spark_scan_bounds(p_table TEXT) RETURNS TABLE (min_id BIGINT, max_id BIGINT)
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
@@ -547,6 +584,7 @@ $$;
 
 
 -- spark_message_scan(): the messages with p_lo <= id <= p_hi, in id order.
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION spark_message_scan(p_lo BIGINT, p_hi BIGINT)
 RETURNS TABLE (
     id BIGINT, channel TEXT, content BYTEA, state BYTEA, dedup_key TEXT, num_attempts INTEGER,
@@ -562,6 +600,7 @@ $$;
 
 
 -- spark_archive_scan(): the archived messages with p_lo <= id <= p_hi, in id order.
+-- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION spark_archive_scan(p_lo BIGINT, p_hi BIGINT)
 RETURNS TABLE (
     id BIGINT, channel TEXT, content BYTEA, state BYTEA, dedup_key TEXT, num_attempts INTEGER,
@@ -577,29 +616,13 @@ AS $$
 $$;
 
 
--- 0014_spark_promote_lean: less work per row in a Spark write's commit (spark_write_commit).
---
--- 0008 read the write's staged rows four times besides the INSERT (validation, the per-channel
--- grouping, the RETURNING of every new row and its grouping, the scan for the slow path) and
--- cleared staging with a DELETE of every row. Now:
--- * one scan both validates the rows and groups them per channel (earliest due time, whether
---   any row carries a dedup key); the named checks run only when a row is bad;
--- * the INSERT returns nothing: each channel's earliest new message comes from that scan, and
---   the one event of the write names the first new message of its channel, looked up by
---   primary key above an id drawn before the INSERT (every later id of a locked channel is
---   this write's: creating a message locks its channel row first);
--- * the slow path (message_create_many) scans staging only when a channel needs it;
--- * staging is emptied with TRUNCATE when it holds nothing but this write (no other write's
---   tasks staged, none is COPYing: the exclusive lock is taken without waiting, else the rows
---   are deleted as before).
--- Same arguments, results, locks and outcome as 0008.
-
-
 -- spark_stage_clear_fast(): spark_stage_clear for a commit. When staging holds rows of no other
 -- write and nobody else uses the table (the exclusive lock is taken without waiting; a task
 -- COPYing holds a conflicting lock), TRUNCATE empties it at once, leaving no dead rows behind;
 -- otherwise the write's rows are deleted. The lock is then held to the end of the transaction:
 -- tasks of other writes wait for it before they stage.
+-- Locks: spark_stage ACCESS EXCLUSIVE (tried, NOWAIT) or the write's rows. Raises: nothing of
+-- ours.
 CREATE OR REPLACE FUNCTION spark_stage_clear_fast(p_write_id TEXT) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -623,8 +646,9 @@ END;
 $$;
 
 
--- spark_sink_claim(): as in 0025 (record that query p_query_id writes through p_sink_id, or
--- refuse when another query does), and refuse a name owned by batch writes. Raises: LQ003.
+-- spark_sink_claim(): record that query p_query_id writes through p_sink_id, or refuse when
+-- another query does, or when batch writes own the name.
+-- Locks: the sink's row. Raises: LQ003.
 CREATE OR REPLACE FUNCTION spark_sink_claim(p_sink_id TEXT, p_query_id TEXT) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -655,7 +679,8 @@ $$;
 
 -- spark_write_claim(): record that batch writes use p_write_id as their writeId, or refuse
 -- when a streaming query's sink has that name. Idempotent for batch writes (a rerun with the
--- same writeId is then found committed and enqueues nothing). Raises: LQ003.
+-- same writeId is then found committed and enqueues nothing).
+-- Locks: the sink's row. Raises: LQ003.
 CREATE OR REPLACE FUNCTION spark_write_claim(p_write_id TEXT) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -670,8 +695,8 @@ BEGIN
     ON CONFLICT (sink_id) DO NOTHING;
     IF FOUND THEN
         -- A new claim: commit records under this name are a stream's (recorded without a
-        -- claim: a query id, or a sinkId from before 0025); a batch write's were claimed by
-        -- this migration or by the write.
+        -- claim: a stream whose sink id is its query id claims nothing); a batch write's
+        -- were claimed by the write.
         PERFORM arg_check(NOT EXISTS (SELECT 1 FROM spark_commit c WHERE c.sink_id = p_write_id),
             format('writeId %s is the sinkId of a streaming write (df.writeStream), whose '
                    'commit records would drop this write in silence. Give the batch write '
@@ -686,6 +711,16 @@ END;
 $$;
 
 
+-- spark_batch_waiting(): for a streaming read under Trigger.AvailableNow whose plan found
+-- nothing: how many channels hold a message with id <= p_max_id, unlocked and due by p_due_by
+-- (the clock when the query started), in a channel that is not paused and is not the
+-- schedules' drivers'; and the earliest time one of them may leave (its channel's last dequeue
+-- plus its release interval, or its own dequeue_at if later; now when the channel's slots are
+-- all taken, or nothing in its policy holds it). A channel counts only while its head is one of
+-- those messages; a channel without a policy only while it is due now, so many idle channels
+-- cost a scan of the channel table and no probe; the others one probe each of
+-- message_channel_head_ix (with bitmap scans off).
+-- Locks: none. Raises: LQ003 (NULL arguments).
 CREATE OR REPLACE FUNCTION spark_batch_waiting(p_max_id BIGINT, p_due_by BIGINT)
 RETURNS TABLE (channels BIGINT, next_at BIGINT, now_at BIGINT)
 LANGUAGE plpgsql STABLE
@@ -760,7 +795,7 @@ BEGIN
     VALUES (p_consumer, p_owner, p_batch, coalesce(p_end, p_batch), epoch())
     ON CONFLICT (consumer) DO NOTHING;
     IF FOUND THEN
-        RETURN;  -- the consumer's first checkpoint (or its first since this migration)
+        RETURN;  -- the consumer's first checkpoint
     END IF;
     SELECT * INTO v_row FROM spark_consumer c WHERE c.consumer = p_consumer FOR UPDATE;
 
