@@ -9,21 +9,24 @@ holds an advisory lock for the target schema (so concurrent installs wait for ea
    not call a function of the function layer: on a fresh install those do not exist yet, and
    on an upgrade they would be the old bodies.
 2. **The function layer** (``sql/schema/*.sql``): every function, each defined exactly once
-   with ``CREATE OR REPLACE``, grouped by concern. It is re-applied whole when its source
-   changed (a sha256 of the files, recorded in ``function_source``), when the functions in the
-   schema were changed since it was applied (a digest of their catalog rows: a body replaced
-   by hand is put back; ``role_grant()`` changes the functions' ACLs, so the owner's next
-   install re-applies the layer once), and after any migration. A role that may not create in
-   the schema (one granted a kind) installs only when nothing is to be done: the recorded
-   version and checksum are this package's. Before it runs, every function of
-   the schema that the source does not define (by identity: name and argument types) is
-   dropped, so a renamed or removed function, or one whose arguments changed, does not
-   linger. ``CREATE OR REPLACE`` cannot change a function's return type or its parameters'
-   names: such a change needs ``DROP FUNCTION IF EXISTS`` of the old one in a new migration
-   (``IF EXISTS``: a fresh install has no functions when migrations run).
+   with ``CREATE OR REPLACE``, grouped by concern. It is re-applied whole after any
+   migration, when its source changed (a sha256 of the files, recorded in
+   ``function_source``), and when the functions bearing the source's names changed since it
+   was applied (a digest of their catalog rows: a body replaced by hand is put back;
+   ``role_grant()`` changes ACLs, so the owner's next install re-applies the layer once).
+   Before it runs, every function of the schema that the source does not define (by
+   identity: name and argument types) is dropped, so a renamed or removed function, or one
+   whose arguments changed, does not linger (nor does one of another name created by hand:
+   the digest does not look for those, the next re-application drops them).
+   ``CREATE OR REPLACE`` cannot change a function's return type or its parameters' names:
+   such a change needs ``DROP FUNCTION IF EXISTS`` of the old one in a new migration (``IF
+   EXISTS``: a fresh install has no functions when migrations run).
 3. ``secure_functions()`` last: definer rights, pinned ``search_path``, grants.
 
-Nothing here does I/O: the queues run these statements, and :func:`script` prints them.
+A role that may not create in the schema (one granted a kind) installs only when nothing is
+to be done: the recorded version and checksum are this package's; otherwise it is told to
+run the install as the queue's owner. Nothing here does I/O: the queues run these
+statements, and :func:`script` prints them.
 """
 
 from __future__ import annotations
@@ -171,9 +174,9 @@ def latest_version() -> int:
     return migrations()[-1].version
 
 
-def lock_statement() -> sql.Composed:
+def lock_statement(schema: str) -> sql.Composed:
     return sql.SQL("SELECT pg_advisory_xact_lock({cls}, hashtext({schema}))").format(
-        cls=sql.Literal(LOCK_CLASS), schema=sql.Placeholder("schema")
+        cls=sql.Literal(LOCK_CLASS), schema=sql.Literal(schema)
     )
 
 
@@ -204,22 +207,32 @@ def prepare_statements(schema: str) -> list[sql.Composed]:
     ]
 
 
-def prepare_statement(schema: str) -> sql.Composed:
-    """:func:`prepare_statements` as one statement text (one round trip)."""
-    return sql.SQL("; ").join(prepare_statements(schema))
+def open_statement(schema: str) -> sql.Composed:
+    """An install's first round trip: take the lock, make the schema and its bookkeeping
+    tables, read :func:`state_statement` (its rows are the last result)."""
+    return sql.SQL("; ").join(
+        [lock_statement(schema), *prepare_statements(schema), state_statement(schema)]
+    )
+
+
+@cache
+def function_names() -> tuple[str, ...]:
+    """The names of the functions the layer defines, sorted."""
+    return tuple(sorted({signature.split("(")[0] for signature in function_signatures()}))
 
 
 def catalog_md5(schema: str) -> sql.Composed:
-    """A digest of the schema's functions as the catalog holds them: each one's oid and the
-    transaction that last wrote its catalog row. Any CREATE OR REPLACE, ALTER, DROP, GRANT or
-    REVOKE of a function changes it, and computing it reads no function body (cheap enough
-    for every install)."""
+    """A digest of the schema's functions that bear a name the source defines, as the catalog
+    holds them: each one's oid and the transaction that last wrote its catalog row. Any CREATE
+    OR REPLACE, ALTER, DROP, GRANT or REVOKE of such a function, or an overload of its name,
+    changes it. It reads no function body and probes the catalog by name (a scan of pg_proc
+    by schema would read every schema's functions): cheap enough for every install."""
     return sql.SQL(
         "(SELECT md5(coalesce(string_agg(p.oid::TEXT || ':' || p.xmin::TEXT, ',' "
         "ORDER BY p.oid), '')) "
-        "FROM pg_proc p WHERE p.pronamespace = "
-        "(SELECT n.oid FROM pg_namespace n WHERE n.nspname = {}))"
-    ).format(sql.Literal(schema))
+        "FROM pg_proc p WHERE p.proname = ANY ({names}::NAME[]) AND p.pronamespace = "
+        "(SELECT n.oid FROM pg_namespace n WHERE n.nspname = {schema}))"
+    ).format(names=sql.Literal(list(function_names())), schema=sql.Literal(schema))
 
 
 def state_statement(schema: str) -> sql.Composed:
@@ -334,11 +347,7 @@ def script(schema: str, *, from_version: int = 0) -> str:
     """The whole install as one SQL script, for teams that run their own migration tool:
     the migrations after ``from_version``, then the function layer and its securing."""
     parts = ["BEGIN;"]
-    parts.append(
-        sql.SQL("SELECT pg_advisory_xact_lock({}, hashtext({}));")
-        .format(sql.Literal(LOCK_CLASS), sql.Literal(schema))
-        .as_string()
-    )
+    parts.append(lock_statement(schema).as_string() + ";")
     parts.extend(s.as_string() + ";" for s in prepare_statements(schema))
     parts.append(search_path_statement(schema).as_string() + ";")
     for migration in pending(from_version):

@@ -544,9 +544,10 @@ class Queue:
     def _migrate_on(self, cursor: Cursor[Row]) -> int:
         """Apply the missing migrations, then the function layer when it is not the source's
         (the caller holds a transaction); the version after."""
-        cursor.execute(migrate.lock_statement(), {"schema": self._schema})
-        cursor.execute(migrate.prepare_statement(self._schema))
-        cursor.execute(migrate.state_statement(self._schema))
+        # One round trip: lock, bookkeeping tables, state (the last result).
+        cursor.execute(migrate.open_statement(self._schema))
+        while cursor.nextset():
+            pass
         row = cursor.fetchone()
         assert row is not None
         current, pending, stale = self._check_state(row)

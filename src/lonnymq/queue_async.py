@@ -547,9 +547,10 @@ class AsyncQueue:
     async def _migrate_on(self, cursor: AsyncCursor[Row]) -> int:
         """Apply the missing migrations, then the function layer when it is not the source's
         (the caller holds a transaction); the version after."""
-        await cursor.execute(migrate.lock_statement(), {"schema": self._schema})
-        await cursor.execute(migrate.prepare_statement(self._schema))
-        await cursor.execute(migrate.state_statement(self._schema))
+        # One round trip: lock, bookkeeping tables, state (the last result).
+        await cursor.execute(migrate.open_statement(self._schema))
+        while cursor.nextset():
+            pass
         row = await cursor.fetchone()
         assert row is not None
         current, pending, stale = self._check_state(row)
