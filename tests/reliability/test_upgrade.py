@@ -171,6 +171,38 @@ def test_a_second_install_changes_nothing(dsn: str, schema_name: str, admin: Con
         assert admin.execute(state, [schema_name]).fetchone() == before
 
 
+def test_concurrent_installs_upgrade_a_stale_layer_once_each_in_turn(
+    dsn: str, schema_name: str, other_schema: str, admin: Conn
+) -> None:
+    """Four installs at once over a schema whose function layer is another version's: the
+    advisory lock makes them take turns; the first re-creates the layer, the others find
+    nothing to do. None fails, and the schema ends as a fresh install."""
+    install_frozen(admin, schema_name)
+    admin.execute(
+        sql.SQL("UPDATE {}.function_source SET sha256 = 'older'").format(
+            sql.Identifier(schema_name)
+        )
+    )
+    failures: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            with Queue(dsn, schema=schema_name) as queue:
+                queue.install()
+        except BaseException as err:  # reported below
+            failures.append(err)
+
+    threads = [threading.Thread(target=install) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert failures == []
+    with Queue(dsn, schema=other_schema) as queue:
+        queue.install()
+    assert _catalog(admin, schema_name) == _catalog(admin, other_schema)
+
+
 def test_the_install_script_equals_install(
     dsn: str, schema_name: str, other_schema: str, admin: Conn
 ) -> None:
