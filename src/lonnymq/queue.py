@@ -542,32 +542,51 @@ class Queue:
             return self._install_on(pooled, archive)
 
     def _migrate_on(self, cursor: Cursor[Row]) -> int:
-        """Apply the missing migrations (the caller holds a transaction); the version after."""
-        cursor.execute(migrate.lock_statement(), {"schema": self._schema})
-        for statement in migrate.prepare_statements(self._schema):
-            cursor.execute(statement)
-        cursor.execute(migrate.applied_statement(self._schema))
+        """Apply the missing migrations, then the function layer when it is not the source's
+        (the caller holds a transaction); the version after."""
+        # One round trip: lock, bookkeeping tables, state (the last result).
+        cursor.execute(migrate.open_statement(self._schema))
+        while cursor.nextset():
+            pass
         row = cursor.fetchone()
-        current = int(row[0]) if row is not None else 0
+        assert row is not None
+        current, pending, stale = self._check_state(row)
+        if not pending and not stale:
+            return current
+        cursor.execute(migrate.search_path_show_statement())
+        shown = cursor.fetchone()
+        assert shown is not None
+        cursor.execute(migrate.search_path_statement(self._schema))
+        for migration in pending:
+            cursor.execute(migration.sql.encode())
+            cursor.execute(migrate.record_statement(self._schema, migration))
+            current = migration.version
+        # After any migration too: it may have added tables that secure_functions() closes.
+        for statement in migrate.function_layer_statements(self._schema):
+            cursor.execute(statement)
+        cursor.execute(migrate.search_path_restore_statement(), {"search_path": shown[0]})
+        return current
+
+    def _check_state(self, row: tuple[Any, ...]) -> tuple[int, list[migrate.Migration], bool]:
+        """The version, the migrations to apply and whether the function layer is stale, from
+        a row of migrate.state_statement (or installed_statement); refuses what no install
+        can upgrade."""
+        current, baseline, sha256, recorded_md5, catalog_md5 = row
+        current = int(current or 0)
         latest = migrate.latest_version()
+        if baseline is not None and baseline != migrate.BASELINE:
+            raise SchemaVersionError(
+                f"schema {self._schema!r} was installed by a development build of lonnymq "
+                f"from before its first release, which cannot be upgraded: drop the schema "
+                f"and install again"
+            )
         if current > latest:
             raise SchemaVersionError(
                 f"schema {self._schema!r} is at version {current}, newer than this "
                 f"lonnymq knows ({latest}): upgrade the lonnymq package"
             )
-        pending = migrate.pending(current)
-        if not pending:
-            return current
-        cursor.execute(migrate.search_path_show_statement())
-        shown = cursor.fetchone()
-        assert shown is not None
-        for migration, text in pending:
-            cursor.execute(migrate.search_path_statement(self._schema))
-            cursor.execute(text.encode())
-            cursor.execute(migrate.record_statement(self._schema, migration))
-            current = migration.version
-        cursor.execute(migrate.search_path_restore_statement(), {"search_path": shown[0]})
-        return current
+        stale = sha256 != migrate.functions_sha256() or recorded_md5 != catalog_md5
+        return current, migrate.pending(current), stale
 
     def _install_on(self, conn: Connection[Any], archive: bool | None) -> int:
         started = perf_counter()
@@ -605,23 +624,21 @@ class Queue:
     def _installed_version(self, cursor: Cursor[Row]) -> int:
         """install() for a role that may not change the schema: it succeeds when there is
         nothing to do."""
-        latest = migrate.latest_version()
         try:
-            cursor.execute(self._sql["schema_version"])
+            cursor.execute(migrate.installed_statement(self._schema))
             row = cursor.fetchone()
-            current = int(row[0]) if row is not None else 0
-        except psycopg.errors.UndefinedFunction:
-            current = -1  # a schema from before 0012, or one without a queue
-        if current > latest:
-            raise SchemaVersionError(
-                f"schema {self._schema!r} is at version {current}, newer than this lonnymq "
-                f"knows ({latest}): upgrade the lonnymq package"
-            )
-        if current < latest:
+        except (psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn):
+            row = None  # a schema without a queue, or with a function layer from before
+        if row is None:
+            row = (-1, None, None)
+        # The recorded checksum only: this role could not put a changed function back anyway.
+        current, pending, stale = self._check_state((*row, None, None))
+        if current < 0 or pending or stale:
             raise PermissionDeniedError(
-                f"schema {self._schema!r} needs migrations up to version {latest} and this "
-                f"role may not change it: run install() (or `lonnymq install`) as the role "
-                f"that owns the queue",
+                f"schema {self._schema!r} needs an install of this lonnymq (migrations up to "
+                f"version {migrate.latest_version()} and its functions) and this role may not "
+                f"change it: run install() (or `lonnymq install`) as the role that owns the "
+                f"queue",
                 "42501",
             )
         return current

@@ -59,17 +59,15 @@ def test_migrate_print_is_the_install_script(dsn: str, schema_name: str) -> None
 
 
 def test_migrate_print_from_a_version_upgrades_a_schema_at_it(dsn: str, schema_name: str) -> None:
-    start = latest_version() - 3
-    # The schema at ``start``: the full script with the later migrations left out.
+    start = latest_version()
     full = _run(dsn, "--schema", schema_name, "migrate", "--print").stdout
-    cut = full.index(f"-- migration {start + 1:04d}_")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute((full[:cut] + "COMMIT;\n").encode())
-        version = conn.execute(f'SELECT max(version) FROM "{schema_name}".migration').fetchone()
-        assert version == (start,)
+        conn.execute(full.encode())
+        # A function layer from another version: the upgrade script re-creates it.
+        conn.execute(f"UPDATE \"{schema_name}\".function_source SET sha256 = 'older'")
         upgrade = _run(dsn, "--schema", schema_name, "migrate", "--print", "--from", str(start))
         assert upgrade.returncode == 0, upgrade.stderr
-        assert upgrade.stdout.count("-- migration ") == 3
+        assert upgrade.stdout.count("-- migration ") == 0
         conn.execute(upgrade.stdout.encode())
     _assert_works_at_latest(dsn, schema_name)
 

@@ -482,6 +482,19 @@ def test_install_as_a_granted_role_succeeds_when_there_is_nothing_to_do(
     assert queue.stats() == []  # the refusal changed nothing
 
 
+def test_install_as_a_granted_role_is_refused_when_the_functions_are_another_version_s(
+    queue: Queue, admin: Conn, make_role: Callable[..., str], connect_as: Any
+) -> None:
+    role = _granted(make_role, queue, "producer")
+    as_producer = connect_as("queue")(role, queue.schema)
+    ident = sql.Identifier(queue.schema)
+    admin.execute(sql.SQL("UPDATE {}.function_source SET sha256 = 'older'").format(ident))
+    with pytest.raises(PermissionDeniedError, match="and its functions"):
+        as_producer.install()
+    queue.install()  # the owner re-creates them
+    assert as_producer.install() == migrate.latest_version()
+
+
 def test_install_as_a_granted_role_may_name_the_settings_in_place_but_not_change_them(
     queue: Queue, make_role: Callable[..., str], connect_as: Any
 ) -> None:

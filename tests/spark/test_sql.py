@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import NewMessage, Queue, migrate
+from lonnymq import NewMessage, Queue
 from lonnymq.spark import _db, purge_staging
 
 Conn = psycopg.Connection[Any]
@@ -370,38 +370,6 @@ def test_a_plan_leaves_schedules_drivers_to_the_workers(queue: Queue, admin: Con
     assert [s.name for s in queue.schedules()] == ["tick"]
 
 
-def _install_up_to(admin: Conn, schema: str, version: int) -> None:
-    """Apply migrations 1..``version`` as install() applies them all."""
-    with admin.transaction():
-        for statement in migrate.prepare_statements(schema):
-            admin.execute(statement)
-        for migration in migrate.migrations():
-            if migration.version <= version:
-                admin.execute(migrate.search_path_statement(schema))
-                admin.execute(migration.sql.encode())
-                admin.execute(migrate.record_statement(schema, migration))
-
-
-def test_the_data_source_needs_the_last_migration_that_changed_spark_functions() -> None:
-    # A schema without them passed the check and failed later, mid-job (a sinkId's commit
-    # called spark_sink_claim of 0025 on a schema at 0024).
-    changed = [m.version for m in migrate.migrations() if "spark_" in m.sql]
-    assert max(changed) == _db.SPARK_SCHEMA_VERSION
-
-
-def test_an_older_schema_is_refused_before_any_job(dsn: str, schema_name: str, admin: Conn) -> None:
-    from lonnymq.errors import SchemaVersionError
-    from lonnymq.spark import LonnyMQDataSource
-
-    _install_up_to(admin, schema_name, _db.SPARK_SCHEMA_VERSION - 1)
-    options = {"dsn": dsn, "schema": schema_name}
-    with pytest.raises(SchemaVersionError, match=f"needs version {_db.SPARK_SCHEMA_VERSION}"):
-        LonnyMQDataSource(options)
-    with Queue(dsn, schema=schema_name) as queue:
-        queue.install()
-    LonnyMQDataSource(options)
-
-
 def test_a_write_id_and_a_sink_id_cannot_share_a_name(queue: Queue, admin: Conn) -> None:
     # A batch write records batch 0 of its writeId, a stream its batches under its sinkId:
     # sharing a name, one would find the other's record and enqueue nothing.
@@ -435,32 +403,6 @@ def test_a_write_id_and_a_sink_id_cannot_share_a_name(queue: Queue, admin: Conn)
         )
     ).fetchall()
     assert owners == [("feed", "stream", "q1"), ("orders", "write", None)]
-
-
-def test_upgrade_keeps_earlier_batch_writes_from_streams(
-    dsn: str, schema_name: str, admin: Conn
-) -> None:
-    # Commit records from before 0030 have no claim: a name whose only record is batch 0 was
-    # a batch write's (a UUID-shaped one too: a writeId is often one).
-    _install_up_to(admin, schema_name, 29)
-    uuid_write_id = "0b7c3f4e-8a1d-4a52-9c6e-2f1e5d7a9b10"  # a writeId made with uuid4()
-    for sink_id, batch_id in [("nightly", 0), ("feed", 0), ("feed", 1), (uuid_write_id, 0)]:
-        _call(
-            admin,
-            schema_name,
-            "spark_write_commit",
-            {"sink_id": sink_id, "batch_id": batch_id, "write_id": "w", "task_tags": []},
-        )
-    with Queue(dsn, schema=schema_name) as queue:
-        queue.install()
-    with pytest.raises(psycopg.Error, match="sinkId nightly is the writeId of a batch write"):
-        _call(admin, schema_name, "spark_sink_claim", {"sink_id": "nightly", "query_id": "q"})
-    _call(admin, schema_name, "spark_write_claim", {"write_id": "nightly"})
-    assert _call(admin, schema_name, "spark_write_result", {"sink_id": "nightly", "batch_id": 0})
-    _call(admin, schema_name, "spark_write_claim", {"write_id": uuid_write_id})  # rerun: committed
-    with pytest.raises(psycopg.Error, match="is the sinkId of a streaming write"):
-        _call(admin, schema_name, "spark_write_claim", {"write_id": "feed"})
-    _call(admin, schema_name, "spark_sink_claim", {"sink_id": "feed", "query_id": "q"})
 
 
 def test_public_names_exist_and_are_documented() -> None:

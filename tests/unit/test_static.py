@@ -22,6 +22,7 @@ from lonnymq import Queue, _core, errors, migrate, types
 
 ROOT = Path(__file__).resolve().parents[2]
 MIGRATION_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+SOURCE_NAME = re.compile(r"^(\d{2})_([a-z0-9_]+)\.sql$")
 
 Conn = psycopg.Connection[Any]
 
@@ -91,6 +92,66 @@ def test_no_stray_files_among_migrations() -> None:
     assert stray == []
 
 
+def test_the_first_migration_is_the_baseline() -> None:
+    assert migrate.migrations()[0].name == migrate.BASELINE
+
+
+def test_function_layer_files_are_named_by_concern() -> None:
+    folder = resources.files("lonnymq").joinpath("sql/schema")
+    names = sorted(entry.name for entry in folder.iterdir() if entry.name != "__pycache__")
+    assert names
+    for name in names:
+        assert SOURCE_NAME.match(name), f"function file {name!r} is not NN_concern.sql"
+    assert [name for name, _ in migrate.source_files()] == names
+
+
+def test_each_function_is_defined_once_and_only_in_the_function_layer() -> None:
+    names = [s.split("(")[0] for s in migrate.function_signatures()]
+    assert len(names) >= 50
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
+    for migration in migrate.migrations():
+        assert re.search(r"CREATE (OR REPLACE )?FUNCTION", migration.sql, re.I) is None, (
+            f"migration {migration.version} defines a function: functions go in sql/schema/"
+        )
+
+
+def test_each_function_has_a_header_comment() -> None:
+    """Above each function: what it does (starting with its name), the locks it takes and
+    the SQLSTATEs it raises."""
+    for name, text in migrate.source_files():
+        for match in re.finditer(r"^(?:CREATE OR REPLACE FUNCTION (\w+)|DO \$\$)", text, re.M):
+            lines = text[: match.start()].rstrip("\n").split("\n")
+            block: list[str] = []
+            while lines and lines[-1].startswith("--"):
+                block.insert(0, lines.pop())
+            header = "\n".join(block)
+            function = match[1] or "channel_key"
+            assert header.startswith(f"-- {function}()"), f"{name}: {function} has no header"
+            assert "Locks:" in header, f"{name}: {function}'s header names no locks"
+            assert "Raises" in header, f"{name}: {function}'s header names no SQLSTATEs"
+
+
+def test_no_comment_tells_the_schema_s_history() -> None:
+    """History is in git: no migration numbers in the function layer."""
+    for name, text in migrate.source_files():
+        assert re.search(r"(?<![\d.])00[0-9]{2}(?![\d.])", text) is None, name
+
+
+def test_function_signatures_are_the_installed_identities(queue: Queue, admin: Conn) -> None:
+    installed = admin.execute(
+        "SELECT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')'"
+        " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+        [queue.schema],
+    ).fetchall()
+    assert len(installed) == len(migrate.function_signatures())
+    with admin.transaction():
+        admin.execute(migrate.search_path_statement(queue.schema))
+        for signature in migrate.function_signatures():
+            found = admin.execute("SELECT to_regprocedure(%s)::oid", [signature]).fetchone()
+            assert found is not None
+            assert found[0] is not None, signature
+
+
 # Functions the planner inlines into their callers: a SET clause would prevent that, so they
 # pin nothing and name every object they use with its schema instead.
 INLINED = {"channel_key"}
@@ -110,8 +171,8 @@ def test_every_function_pins_its_search_path(queue: Queue, admin: Conn) -> None:
 
 
 def test_every_function_runs_as_its_owner_for_no_one_else(queue: Queue, admin: Conn) -> None:
-    # Each migration that adds or replaces functions must end with secure_functions(): this
-    # fails when one forgets (CREATE OR REPLACE resets SECURITY DEFINER and the SET clause).
+    # The function layer ends with secure_functions(): this fails when a function escapes it
+    # (CREATE OR REPLACE resets SECURITY DEFINER and the SET clause).
     rows = admin.execute(
         "SELECT p.proname, p.prosecdef, p.proconfig,"
         " EXISTS (SELECT FROM aclexplode(coalesce(p.proacl, acldefault('f', p.proowner))) a"
@@ -331,9 +392,10 @@ def test_install_script_installs_a_working_queue(dsn: str, admin: Conn, schema_n
         assert [s.channel for s in queue.stats()] == ["c"]
         assert queue.create(b"more", channel="c").channel_size is None
         assert [(s.channel, s.size, s.in_flight) for s in queue.stats()] == [("c", 2, 1)]
-    # Nothing to do from the latest version on.
+    # From the latest version on: the function layer only.
     later = migrate.script(schema_name, from_version=migrate.latest_version())
     assert "-- migration" not in later
+    assert "secure_functions()" in later
 
 
 def test_install_script_quotes_any_schema_name(admin: Conn) -> None:
@@ -359,7 +421,7 @@ def test_inlined_functions_are_plain_sql_naming_their_schemas(queue: Queue, admi
         assert (language, secdef, volatility) == ("sql", False, "i"), name
         # Every function it calls is named with its schema.
         assert "pg_catalog." in source, f"{name}: {source}"
-    # channel_key keeps the keys 0002 defined (sessions of an older version hold them).
+    # channel_key's keys: hashtextextended of the name, seeded with the schema's hash.
     same = admin.execute(
         sql.SQL(
             "SELECT {}.channel_key(n) = hashtextextended(n, hashtext(%s)::BIGINT)"

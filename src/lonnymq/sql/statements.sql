@@ -127,9 +127,6 @@ FROM {schema}.archive_list(
 -- name: archive_replay
 SELECT archive_id, status, id FROM {schema}.archive_replay(p_ids => %(ids)s::bigint[])
 
--- name: schema_version
-SELECT {schema}.schema_version()
-
 -- name: role_grant
 SELECT {schema}.role_grant(p_role => %(role)s::text, p_kind => %(kind)s::text)
 

@@ -1,49 +1,31 @@
--- 0012_security: least privilege. The queue's tables are reachable only through its functions,
--- and a role is granted the functions of one kind: producer, worker or admin.
+-- Least privilege. The queue's tables are reachable only through its functions, and a role is
+-- granted the functions of one kind: producer, worker or admin.
 --
--- Every function now runs as its owner (the role that installed the queue: SECURITY DEFINER),
--- so a role that may call message_dequeue_many needs no right on the message table, and a role
--- that may not call it gets "permission denied" however it reaches the table. A definer's
--- function must not let its caller choose which objects it resolves: each one pins
--- search_path to the queue's schema, then pg_catalog, then pg_temp explicitly last (left out,
--- pg_temp would be searched first, and a caller's temporary table or function could shadow
--- ours). PUBLIC loses EXECUTE on every function (PostgreSQL grants it to PUBLIC by default),
--- and any right on the tables, sequences and CREATE on the schema.
+-- Every function runs as its owner (the role that installed the queue: SECURITY DEFINER), so a
+-- role that may call message_dequeue_many needs no right on the message table, and a role that
+-- may not call it gets "permission denied" however it reaches the table. A definer's function
+-- must not let its caller choose which objects it resolves: each one pins search_path to the
+-- queue's schema, then pg_catalog, then pg_temp explicitly last (left out, pg_temp would be
+-- searched first, and a caller's temporary table or function could shadow ours). PUBLIC loses
+-- EXECUTE on every function (PostgreSQL grants it to PUBLIC by default), and any right on the
+-- tables, sequences and CREATE on the schema.
 --
 -- secure_functions() applies all of that to whatever the schema holds, so it is idempotent:
--- every later migration that creates or replaces a function calls it at its end (a CREATE OR
--- REPLACE resets SECURITY DEFINER and the SET clause), and tests/security checks that nothing
--- escaped it. It also re-applies the recorded grants, so that a role granted a kind before an
--- upgrade can call the functions the upgrade adds to that kind.
+-- the installer runs it after the function layer (a CREATE OR REPLACE resets SECURITY DEFINER
+-- and the SET clause), and tests/security checks that nothing escaped it. It also re-applies
+-- the recorded grants, so that a role granted a kind before an upgrade can call the functions
+-- the upgrade adds to that kind.
 --
 -- Kinds nest (producer < worker < admin): a worker creates too (dead letters, schedule
 -- firings), an admin does everything. role_kind_functions() is the one list; the README's
 -- "Security / least privilege" table shows it. Internal helpers (channel_lock, message_finish,
 -- arg_check...) are granted to no one: only the queue's own functions call them.
 
--- Grants made with role_grant(), re-applied by secure_functions(). By role oid, so that a
--- renamed role keeps its grant; a dropped role's row is removed when it is next seen.
-CREATE TABLE role_grant (
-    role_oid OID PRIMARY KEY,
-    kind TEXT NOT NULL CHECK (kind IN ('producer', 'worker', 'admin')),
-    granted_at BIGINT NOT NULL
-);
-
-
--- schema_version(): the latest migration applied to this schema. A role granted a kind has no
--- right on the migration table (nor CREATE on the schema): install() asks this instead, so
--- that an application that installs at every start still starts when it runs as such a role.
-CREATE FUNCTION schema_version() RETURNS INTEGER
-LANGUAGE sql STABLE
-SET search_path FROM CURRENT
-AS $$
-    SELECT coalesce(max(m.version), 0) FROM migration m
-$$;
-
 
 -- role_kind_functions(): the functions a role of kind p_kind may execute; NULL for an unknown
 -- kind. The Spark writer's staging COPY also needs INSERT on spark_stage (see role_apply).
-CREATE FUNCTION role_kind_functions(p_kind TEXT) RETURNS TEXT[]
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION role_kind_functions(p_kind TEXT) RETURNS TEXT[]
 LANGUAGE sql IMMUTABLE
 SET search_path FROM CURRENT
 AS $$
@@ -52,17 +34,19 @@ AS $$
         -- write), read the clock and settings, follow a message to its outcome (Queue.wait).
         ARRAY['schema_version', 'epoch', 'config_get', 'message_create', 'message_create_many',
               'message_status', 'spark_stage_record', 'spark_stage_clear', 'spark_write_commit',
-              'spark_write_result', 'spark_sink_prune']
+              'spark_write_result', 'spark_sink_prune', 'spark_sink_claim', 'spark_write_claim']
         || CASE WHEN p_kind IN ('worker', 'admin') THEN
             -- worker: take messages and finish, defer or extend them; channel_stats for
             -- Worker(until_idle) and its metrics; a Spark streaming read consumes too (and
-            -- reads the largest message id, its horizon, with spark_scan_bounds).
+            -- reads the largest message id, its horizon, with spark_scan_bounds, what it
+            -- waits for under Trigger.AvailableNow with spark_batch_waiting, and claims its
+            -- consumer for its checkpoint with spark_consumer_claim).
             ARRAY['message_dequeue', 'message_dequeue_many', 'message_complete_and_dequeue',
                   'message_heartbeat', 'message_heartbeat_many', 'message_delete',
                   'message_delete_many', 'message_defer', 'message_defer_many', 'channel_stats',
                   'spark_consumer_lock', 'spark_batch_plan', 'spark_batch_ack',
                   'spark_batch_release', 'spark_batch_heartbeat', 'spark_batch_read',
-                  'spark_scan_bounds']
+                  'spark_scan_bounds', 'spark_batch_waiting', 'spark_consumer_claim']
         ELSE ARRAY[]::TEXT[] END
         || CASE WHEN p_kind = 'admin' THEN
             -- admin: policies, settings, schedules, the archive, checks, raw scans, the clock.
@@ -75,10 +59,11 @@ AS $$
 $$;
 
 
--- role_check(): the oid of role p_role, which may be granted a kind here. Raises LQ003 when
--- the role does not exist, is a superuser (no privilege limits it) or owns the queue (its
--- rights come from ownership; revoking them would break the queue).
-CREATE FUNCTION role_check(p_role TEXT) RETURNS OID
+-- role_check(): the oid of role p_role, which may be granted a kind here: it must exist, not
+-- be a superuser (no privilege limits it) and not own the queue (its rights come from
+-- ownership; revoking them would break the queue).
+-- Locks: none. Raises: LQ003.
+CREATE OR REPLACE FUNCTION role_check(p_role TEXT) RETURNS OID
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
 AS $$
@@ -108,7 +93,8 @@ $$;
 
 
 -- role_strip(): take every right on the queue's schema and its objects from p_role.
-CREATE FUNCTION role_strip(p_role TEXT) RETURNS VOID
+-- Locks: none of ours (GRANT's catalog locks). Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION role_strip(p_role TEXT) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
@@ -127,7 +113,8 @@ $$;
 -- the kind's functions, INSERT on spark_stage (the Spark writer's COPY target: rows land
 -- there for the writer's own spark_write_commit to promote; a producer may create messages
 -- anyway). Returns how many functions were granted.
-CREATE FUNCTION role_apply(p_role TEXT, p_kind TEXT) RETURNS INTEGER
+-- Locks: none of ours (GRANT's catalog locks). Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION role_apply(p_role TEXT, p_kind TEXT) RETURNS INTEGER
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
@@ -157,8 +144,9 @@ $$;
 
 -- role_grant(): make p_role a p_kind of this queue ('producer', 'worker' or 'admin'),
 -- replacing any kind it had. Returns how many functions it may now execute.
--- Raises: LQ003 (unknown kind; role missing, superuser or the queue's owner).
-CREATE FUNCTION role_grant(p_role TEXT, p_kind TEXT) RETURNS INTEGER
+-- Locks: the role's role_grant row. Raises: LQ003 (unknown kind; role missing, superuser or
+-- the queue's owner).
+CREATE OR REPLACE FUNCTION role_grant(p_role TEXT, p_kind TEXT) RETURNS INTEGER
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
@@ -179,8 +167,9 @@ $$;
 
 
 -- role_revoke(): take every right on this queue from p_role. Returns whether it had a kind.
--- Raises: LQ003 (role missing, superuser or the queue's owner).
-CREATE FUNCTION role_revoke(p_role TEXT) RETURNS BOOLEAN
+-- Locks: the role's role_grant row. Raises: LQ003 (role missing, superuser or the queue's
+-- owner).
+CREATE OR REPLACE FUNCTION role_revoke(p_role TEXT) RETURNS BOOLEAN
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
@@ -195,7 +184,8 @@ $$;
 
 
 -- role_list(): the roles granted a kind, by name.
-CREATE FUNCTION role_list() RETURNS TABLE (role_name TEXT, kind TEXT, granted_at BIGINT)
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION role_list() RETURNS TABLE (role_name TEXT, kind TEXT, granted_at BIGINT)
 LANGUAGE sql STABLE
 SET search_path FROM CURRENT
 AS $$
@@ -207,9 +197,10 @@ $$;
 
 -- secure_functions(): make every function of the schema run as its owner with the pinned
 -- search_path, executable by no one but the roles granted it; close the tables, sequences and
--- CREATE on the schema to PUBLIC; re-apply the recorded grants. Idempotent; every migration
--- that creates or replaces functions ends with SELECT secure_functions().
-CREATE FUNCTION secure_functions() RETURNS VOID
+-- CREATE on the schema to PUBLIC; re-apply the recorded grants. Idempotent; the installer runs
+-- it after the function layer.
+-- Locks: none of ours (ALTER FUNCTION's and GRANT's catalog locks). Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION secure_functions() RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
@@ -223,7 +214,7 @@ BEGIN
         FROM pg_proc p
         WHERE p.pronamespace = (SELECT n.oid FROM pg_namespace n WHERE n.nspname = v_schema)
           AND p.prokind = 'f'
-          -- Plain SQL helpers the planner inlines into their callers (0010_lean_calls): a
+          -- Plain SQL helpers the planner inlines into their callers (channel_key): a
           -- SET clause or SECURITY DEFINER would stop that. They name pg_catalog themselves,
           -- touch no table, and lose EXECUTE for PUBLIC below like every function.
           AND p.proname <> ALL (ARRAY['channel_key'])
@@ -244,6 +235,3 @@ BEGIN
     END LOOP;
 END;
 $$;
-
-
-SELECT secure_functions();

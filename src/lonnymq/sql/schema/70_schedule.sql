@@ -1,25 +1,42 @@
--- 0040_schedule_set: declaring a schedule in a full schedules channel says so, and
--- declarations of schedules take their locks in one order.
+-- Schedules: periodic messages. A schedule is a driver message in the channel
+-- lonnymq.schedules, deduplicated by the schedule's name, whose content is its spec (the Python
+-- package encodes it; the database never parses one). A worker that dequeues a driver creates
+-- the task message and defers the driver to the next firing in one transaction, so the lock
+-- fence of message_defer() keeps a stale holder from firing twice. The functions below only
+-- create, update, list and remove drivers.
 --
--- A policy with a max_size on the channel that holds the schedules' drivers
--- (lonnymq.schedules) makes message_create refuse a new driver ('dropped'). schedule_set took
--- that for a concurrent declaration of the same name, tried again, and raised 40001 ("kept
--- changing while being set"), which the Python API runs again three times and then reports as
--- a conflict to retry, for a refusal that no retry can change. It now raises LQ004
--- (InvalidPolicyError) naming the policy, and changes nothing.
---
--- A declaration that creates its driver locks the channel's row (message_create makes it due)
--- and then waits for any other session inserting the same name; one that updates an existing
--- driver locks the driver's row and then the channel's. Two transactions could therefore wait
--- for each other: one declaring s1 and then s2 (holding s1's uncommitted key), the other
--- declaring s1 (holding the channel row, waiting for that key), a deadlock once the first
--- reaches s2's channel row. Declarations are rare and short: each now takes one exclusive
--- transaction lock for the schema's schedules first, so they queue up instead. So does
--- schedule_remove (it locks a driver's row, which a declaration may wait for), and both take
--- the schedules channel's shared lock before it, as every create in that channel does: a
--- transaction that set the channel's policy (which holds that lock exclusively) and then
--- declares a schedule is then waited for before the declarations' lock, not under it.
+-- Declarations and removals are rare and short, and take their locks in one order: the
+-- schedules channel's shared advisory lock (as every create in that channel does, so a
+-- transaction that set the channel's policy is waited for first), then one exclusive
+-- transaction lock for the schema's schedules, then the rows. Without that order, a
+-- declaration that creates its driver (channel row, then the name's key) and one that updates
+-- an existing driver (driver row, then channel row) could wait for each other.
 
+
+-- schedule_check_name(): a schedule name is 1 to 200 characters (it is the driver's dedup
+-- key, and task dedup keys add the fire time to it).
+-- Locks: none. Raises: LQ003.
+CREATE OR REPLACE FUNCTION schedule_check_name(p_name TEXT) RETURNS VOID
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    PERFORM arg_check(p_name IS NOT NULL AND char_length(p_name) BETWEEN 1 AND 200,
+        format('schedule name must be 1 to 200 characters, got %s',
+            coalesce(char_length(p_name)::TEXT || ' characters', 'NULL')));
+END;
+$$;
+
+
+-- schedule_set(): declare schedule p_name with spec p_spec, next due at p_next_at: create its
+-- driver ('created'), or set an existing driver's spec and next time ('updated'); a driver
+-- that a worker holds is given back at the new time (the holder's firing then rolls back as
+-- stale). Returns the status and the driver's id. A policy with a max_size on
+-- the schedules channel that refuses a new driver is reported, not retried: no retry could
+-- change it.
+-- Locks: the order at the top of this file, then the driver's row and the channel's.
+-- Raises: LQ003 (bad name, spec or time), LQ004 (the schedules channel is full), 40001 (the
+-- driver kept changing while being set: retry).
 CREATE OR REPLACE FUNCTION schedule_set(p_name TEXT, p_spec BYTEA, p_next_at BIGINT)
 RETURNS TABLE (status TEXT, id BIGINT)
 LANGUAGE plpgsql
@@ -79,7 +96,7 @@ BEGIN
         END IF;
         IF v_message.dequeue_at <> p_next_at THEN
             UPDATE message m SET dequeue_at = p_next_at WHERE m.id = v_message.id;
-            -- As message_requeue (0002): a policy-free channel's row is only brought forward.
+            -- As message_requeue: a policy-free channel's row is only brought forward.
             PERFORM pg_advisory_xact_lock_shared(channel_key(v_message.channel));
             SELECT * INTO v_channel FROM channel c WHERE c.name = v_message.channel;
             v_seen := FOUND;
@@ -111,6 +128,26 @@ END;
 $$;
 
 
+-- schedule_list(): every schedule's driver: name, spec, next due time, the saved state (the
+-- last fire time, as the worker writes it) and whether a worker holds it now.
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION schedule_list()
+RETURNS TABLE (name TEXT, spec BYTEA, next_at BIGINT, state BYTEA, is_locked BOOLEAN)
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT m.dedup_key, m.content, m.dequeue_at, m.state, m.is_locked
+    FROM message m
+    WHERE m.channel = 'lonnymq.schedules' AND m.dedup_key IS NOT NULL
+    ORDER BY m.dedup_key
+$$;
+
+
+-- schedule_remove(): remove schedule p_name (its driver); whether there was one. A driver that
+-- a worker holds is removed too: the worker's defer then finds it gone and its firing rolls
+-- back.
+-- Locks: the order at the top of this file, then the driver's row and the channel's.
+-- Raises: LQ003 (bad name).
 CREATE OR REPLACE FUNCTION schedule_remove(p_name TEXT) RETURNS BOOLEAN
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -129,7 +166,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN FALSE;
     END IF;
-    -- As message_finish_try (0002): only a channel with a policy keeps counters.
+    -- As message_finish_try: only a channel with a policy keeps counters.
     PERFORM pg_advisory_xact_lock_shared(channel_key(v_message.channel));
     IF NOT coalesce(
             (SELECT c.has_policy FROM channel c WHERE c.name = v_message.channel), FALSE) THEN
@@ -148,6 +185,3 @@ BEGIN
     RETURN TRUE;
 END;
 $$;
-
-
-SELECT secure_functions();
