@@ -259,10 +259,10 @@ class ConsumerRunner:
             yield
 
     def _claim(self, owner: str | None, step: str, batch: int, end: int | None = None) -> None:
-        """Check that the checkpoint whose offsets name ``owner`` (None: offsets from before
-        migration 0032) may go on with the consumer, and record how far it got. The consumer
-        belongs to the checkpoint that last took it over; a copy of it that another run has
-        gone past is refused too."""
+        """Check that the checkpoint whose offsets name ``owner`` (None: an offset that names
+        no owner, as the initial one) may go on with the consumer, and record how far it got.
+        The consumer belongs to the checkpoint that last took it over; a copy of it that
+        another run has gone past is refused too."""
         params = {
             "consumer": self._opts.consumer,
             "owner": owner,

@@ -204,7 +204,7 @@ class BatchSlice(InputPartition):
 
 
 def _offset_owner(offset: dict[str, Any]) -> str | None:
-    """The owner token an offset names (None in offsets from before migration 0032)."""
+    """The owner token an offset names (None when it names none, as the initial offset)."""
     owner = offset.get("owner")
     return None if owner is None else str(owner)
 
@@ -214,7 +214,7 @@ class _StreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     token of the checkpoint they belong to. ``initialOffset`` must be pure (Spark calls it
     again to replay a first batch), so it names no owner: the first plan from it is a new
     checkpoint's, which takes the consumer over under a token made by this reader, and every
-    offset planned after names it. Offsets from before migration 0032 name none (None)."""
+    offset planned after names it."""
 
     def __init__(self, opts: StreamReadOptions) -> None:
         self._opts = opts

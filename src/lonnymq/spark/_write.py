@@ -3,7 +3,7 @@
 Why staging: a Python write task's rows are durable before Spark decides which attempt of the
 task won (a failed, retried or speculative attempt leaves its rows behind), so tasks never
 create messages. The driver's commit enqueues the rows of the attempts Spark reports as
-successful, in one transaction that also records the commit (see ``0004_spark.sql``).
+successful, in one transaction that also records the commit (see ``sql/schema/80_spark.sql``).
 """
 
 from __future__ import annotations
