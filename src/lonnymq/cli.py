@@ -32,7 +32,7 @@ from typing import Any
 
 import psycopg
 
-from . import _core, migrate
+from . import __version__, _core, migrate
 from .errors import DatabaseUnavailableError, InvalidArgumentError, LonnyMQError, translate
 from .metrics import JsonFormatter, MetricsServer, OperationStats, WorkerMetrics
 from .queue import Queue
@@ -90,6 +90,12 @@ def _outcome(text: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lonnymq", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {__version__}",
+        help="print lonnymq's version and exit",
+    )
     parser.add_argument(
         "--dsn",
         default=os.environ.get("LONNYMQ_DSN"),

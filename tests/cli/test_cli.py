@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import queue
@@ -19,6 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import lonnymq
 from lonnymq import NewMessage, Queue, cli
 from lonnymq.migrate import latest_version
 
@@ -90,6 +92,21 @@ def test_migrate_print_refuses_a_version_it_does_not_know(dsn: str) -> None:
         assert result.returncode == 2, bad
         assert "--from: must be a schema version from 0 to" in result.stderr
         assert result.stdout == ""
+
+
+def test_version_is_the_installed_package_metadata(tmp_path: Path) -> None:
+    expected = importlib.metadata.version("lonnymq")
+    assert lonnymq.__version__ == expected
+    for command in ([sys.executable, "-m", "lonnymq"], [sys.executable, "-m", "lonnymq.cli"]):
+        shown = subprocess.run(
+            [*command, "--version"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+            check=False,
+        )
+        assert (shown.returncode, shown.stdout, shown.stderr) == (0, f"lonnymq {expected}\n", "")
 
 
 def test_dsn_and_schema_may_follow_the_subcommand(dsn: str, schema_name: str) -> None:
