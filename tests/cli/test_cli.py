@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,70 @@ def test_version_is_the_installed_package_metadata(tmp_path: Path) -> None:
             check=False,
         )
         assert (shown.returncode, shown.stdout, shown.stderr) == (0, f"lonnymq {expected}\n", "")
+
+
+def _parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every parser of the command line, by its program name: lonnymq, lonnymq policy set, ..."""
+    pending = [cli._parser()]
+    while pending:
+        parser = pending.pop()
+        yield parser.prog, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+
+
+def test_help_is_plain_words_for_every_command() -> None:
+    parsers = dict(_parsers())
+    assert len(parsers) > 20
+    for prog, parser in parsers.items():
+        text = parser.format_help()
+        assert "``" not in text, prog
+        assert not re.search(r":(class|meth|func|mod):", text), prog
+        assert parser.description, f"{prog} --help says nothing about what it does"
+    top = parsers["lonnymq"].format_help()
+    # Every command is listed once, everyday ones apart from tooling.
+    everyday, tooling = top.index("Everyday commands:"), top.index("Tooling:")
+    for name in cli.EVERYDAY:
+        assert len(re.findall(rf"^  {name} ", top, re.MULTILINE)) == 1, name
+        assert everyday < top.index(f"\n  {name} ") < tooling, name
+    for name in cli.TOOLING:
+        assert tooling < top.index(f"\n  {name} ") < top.index("Exit codes:"), name
+    assert {prog.split()[1] for prog in parsers if prog.count(" ") == 1} == {
+        *cli.EVERYDAY,
+        *cli.TOOLING,
+    }
+    for code in ("0", "1", "2", "3", "130", "141"):
+        assert re.search(rf"^  {code} +\S", top, re.MULTILINE), code
+
+
+def test_every_environment_twin_the_help_names_follows_the_rule() -> None:
+    """An option's help names its twin as the epilog says: LONNYMQ_ and the option's name, with
+    the command's name in between for the --out and --hold of the tooling commands."""
+    twins = 0
+    for prog, parser in _parsers():
+        command = prog.split()[1] if " " in prog else ""
+        for action in parser._actions:
+            named = re.search(r"\(env (LONNYMQ_\w+)", action.help or "")
+            if named is None:
+                continue
+            option = max(action.option_strings, key=len)
+            name = option[2:].upper().replace("-", "_")
+            if command in cli.TOOLING and option in ("--out", "--hold"):
+                name = f"{command.upper()}_{name}"
+            assert named[1] == f"LONNYMQ_{name}", (prog, option)
+            twins += 1
+    assert twins >= 25
+
+
+def test_an_environment_twin_sets_its_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LONNYMQ_CONCURRENCY", "7")
+    monkeypatch.setenv("LONNYMQ_MAX_SIZE", "3")
+    worker = cli._parser().parse_args(["worker", "m:f"])
+    assert worker.concurrency == 7
+    policy = cli._parser().parse_args(["policy", "set", "p"])
+    assert policy.max_size == 3
+    assert cli._parser().parse_args(["policy", "set", "p", "--max-size", "9"]).max_size == 9
 
 
 def test_dsn_and_schema_may_follow_the_subcommand(dsn: str, schema_name: str) -> None:
