@@ -807,15 +807,22 @@ def _create(q: Queue, args: argparse.Namespace) -> int:
 
 
 def _policy(q: Queue, args: argparse.Namespace) -> int:
-    if args.policy_command == "set":
-        q.channel(args.channel).set_policy(
-            max_concurrency=args.max_concurrency,
-            release_interval_ms=args.release_interval_ms,
-            max_size=args.max_size,
-        )
-        return 0
-    if args.policy_command == "clear":
-        q.channel(args.channel).clear_policy()
+    if args.policy_command in ("set", "clear"):
+        target = q.channel(args.channel)
+        if args.policy_command == "set":
+            target.set_policy(
+                max_concurrency=args.max_concurrency,
+                release_interval_ms=args.release_interval_ms,
+                max_size=args.max_size,
+            )
+        else:
+            target.clear_policy()
+        # Read back: what is in force now, whoever else changed it meanwhile.
+        stats = target.stats()
+        limits = "-" if stats is None else _policy_text(asdict(stats.policy))
+        in_force = "no limits" if limits == "-" else limits
+        done = "set" if args.policy_command == "set" else "cleared"
+        print(f"channel {target.name!r}: policy {done}; in force now: {in_force}")
         return 0
     rows = [
         (r.channel, asdict(r.policy))

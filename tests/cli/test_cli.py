@@ -628,6 +628,10 @@ def test_policy_set_show_clear(dsn: str, schema_name: str) -> None:
         "50",
     )
     assert set_.returncode == 0, set_.stderr
+    # Each change says what is in force now, as read back from the queue.
+    assert set_.stdout == (
+        "channel 'p': policy set; in force now: max_concurrency=2, release_interval_ms=50\n"
+    )
     shown = _run_in(dsn, schema_name, "policy", "show", "--json")
     assert [json.loads(line) for line in shown.stdout.splitlines()] == [
         {"channel": "p", "max_concurrency": 2, "release_interval_ms": 50, "max_size": None}
@@ -635,8 +639,22 @@ def test_policy_set_show_clear(dsn: str, schema_name: str) -> None:
     bad = _run_in(dsn, schema_name, "policy", "set", "p", "--max-size", "-1")
     assert bad.returncode == 1
     assert "InvalidPolicyError" in bad.stderr
-    assert _run_in(dsn, schema_name, "policy", "clear", "p").returncode == 0
+    assert bad.stdout == ""
+    # A policy set is whole: the limits not given are gone.
+    narrowed = _run_in(dsn, schema_name, "policy", "set", "p", "--max-size", "7")
+    assert narrowed.stdout == "channel 'p': policy set; in force now: max_size=7\n"
+    cleared = _run_in(dsn, schema_name, "policy", "clear", "p")
+    assert cleared.returncode == 0, cleared.stderr
+    assert cleared.stdout == "channel 'p': policy cleared; in force now: no limits\n"
     assert _run_in(dsn, schema_name, "policy", "show").stdout == ""
+    # A channel that holds messages keeps its row when its policy goes: still read back.
+    assert _run_in(dsn, schema_name, "create", "--channel", "held", "m").returncode == 0
+    assert _run_in(dsn, schema_name, "policy", "set", "held", "--max-concurrency", "0").stdout == (
+        "channel 'held': policy set; in force now: max_concurrency=0\n"
+    )
+    assert _run_in(dsn, schema_name, "policy", "clear", "held").stdout == (
+        "channel 'held': policy cleared; in force now: no limits\n"
+    )
 
 
 def test_maintain_vacuums_what_needs_it(
