@@ -6,6 +6,8 @@ binding over it (sync :class:`Queue` and asyncio :class:`AsyncQueue`), plus a wo
 ``lonnymq`` command.
 """
 
+from importlib import metadata as _metadata
+
 from . import errors
 from .archive import ArchivedMessage, ReplayResult
 from .errors import (
@@ -46,7 +48,11 @@ from .types import (
     Settings,
 )
 
-__version__ = "0.1.0"
+try:
+    # pyproject.toml holds the one version literal; the installed metadata carries it.
+    __version__ = _metadata.version("lonnymq")
+except _metadata.PackageNotFoundError:  # the source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AckStatus",

@@ -1,15 +1,8 @@
 """The ``lonnymq`` command line: a thin layer over the API.
 
-Every option has an environment twin: ``--some-option`` is ``LONNYMQ_SOME_OPTION`` (for
-example ``--dsn`` / ``LONNYMQ_DSN``, ``--concurrency`` / ``LONNYMQ_CONCURRENCY``). Without a
-DSN the embedded PostgreSQL is used.
-
-Output is a rich table when standard output is a terminal and plain text otherwise; ``--json``
-prints one JSON object per line for scripts. Long work shows a progress bar on a terminal.
-
-Exit codes: 0 success, 1 the operation failed (a lonnymq error) or ``verify`` found
-discrepancies, 2 bad usage, 3 the thing named does not exist (``schedule remove`` of an unknown
-schedule).
+What ``lonnymq --help`` says (the commands by group, the environment twins of the options,
+the exit codes) is written once, below, as plain text: ``SUMMARY``, ``EVERYDAY``, ``TOOLING``
+and ``EPILOG``.
 """
 
 from __future__ import annotations
@@ -24,6 +17,7 @@ import os
 import queue
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +26,7 @@ from typing import Any
 
 import psycopg
 
-from . import _core, migrate
+from . import __version__, _core, migrate
 from .errors import DatabaseUnavailableError, InvalidArgumentError, LonnyMQError, translate
 from .metrics import JsonFormatter, MetricsServer, OperationStats, WorkerMetrics
 from .queue import Queue
@@ -42,6 +36,50 @@ from .worker import AsyncWorker, Backoff, Worker, WorkerStats
 
 EXIT_NOT_FOUND = 3
 MAX_TOP_INTERVAL_S = 86_400.0
+
+SUMMARY = "lonnymq: a fair, durable message queue that lives inside PostgreSQL."
+
+# The commands `lonnymq --help` lists, by group: the queue's everyday work, then tooling.
+EVERYDAY = (
+    "install",
+    "migrate",
+    "create",
+    "worker",
+    "stats",
+    "top",
+    "verify",
+    "maintain",
+    "policy",
+    "schedule",
+    "archive",
+    "grant",
+    "revoke",
+    "grants",
+)
+TOOLING = ("bench", "demo")
+
+EPILOG = """\
+Run "lonnymq COMMAND --help" for a command's options.
+
+Environment: an option whose help ends with (env LONNYMQ_NAME) takes its
+default from that variable: --some-option is LONNYMQ_SOME_OPTION (--dsn is
+LONNYMQ_DSN), except that the --out and --hold of bench and demo carry the
+command's name (LONNYMQ_BENCH_OUT). A value given on the command line wins.
+Without --dsn or LONNYMQ_DSN, lonnymq starts (or joins) its embedded
+PostgreSQL.
+
+Output: a table on a terminal, plain text otherwise; --json, where a command
+has it, prints one JSON object per line for scripts.
+
+Exit codes:
+  0    success
+  1    the operation failed, or verify found discrepancies
+  2    bad usage
+  3    the thing named does not exist (schedule remove of an unknown schedule)
+  130  interrupted by Ctrl-C or SIGTERM (a worker stops gracefully instead,
+       and exits 0)
+  141  standard output was closed by its reader (lonnymq stats | head)
+"""
 
 __all__ = ["main"]
 
@@ -88,8 +126,41 @@ def _outcome(text: str) -> str:
     return text
 
 
+def _add(commands: Any, name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """The (sub)command ``name``, summed up by ``help``; its own ``--help`` opens with its
+    description, which is that summary as a sentence unless given."""
+    kwargs.setdefault("description", help[0].upper() + help[1:] + ".")
+    parser: argparse.ArgumentParser = commands.add_parser(name, help=help, **kwargs)
+    return parser
+
+
+def _listing(title: str, names: Sequence[str], summaries: dict[str, str]) -> str:
+    """``title``, then one line per command: its name and summary, wrapped under itself."""
+    width = max(map(len, summaries)) + 2
+    lines = [f"{title}:"]
+    for name in names:
+        lines += textwrap.wrap(
+            summaries[name],
+            width=79,
+            initial_indent=f"  {name:<{width}}",
+            subsequent_indent=" " * (width + 2),
+        )
+    return "\n".join(lines)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lonnymq", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="lonnymq",
+        usage="%(prog)s [-h] [--version] [--dsn DSN] [--schema SCHEMA] COMMAND ...",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {__version__}",
+        help="print lonnymq's version and exit",
+    )
     parser.add_argument(
         "--dsn",
         default=os.environ.get("LONNYMQ_DSN"),
@@ -100,9 +171,22 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("LONNYMQ_SCHEMA", "lonnymq"),
         help="schema the queue lives in (env LONNYMQ_SCHEMA; default lonnymq)",
     )
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Command)
+    # The commands are listed by group in the description (argparse has one flat list).
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=_Command,
+        prog="lonnymq",
+        metavar="COMMAND",
+        help=argparse.SUPPRESS,
+    )
+    summaries: dict[str, str] = {}
 
-    install = commands.add_parser("install", help="create or upgrade the queue's schema")
+    def command(name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+        summaries[name] = help
+        return _add(commands, name, help, **kwargs)
+
+    install = command("install", help="create or upgrade the queue's schema")
     install.add_argument(
         "--archive",
         action=argparse.BooleanOptionalAction,
@@ -115,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
         help="NOTIFY channel for wake-up events (env LONNYMQ_EVENT_CHANNEL)",
     )
 
-    migrate_cmd = commands.add_parser("migrate", help="show the install SQL")
+    migrate_cmd = command("migrate", help="show the install SQL")
     migrate_cmd.add_argument(
         "--print",
         dest="print_sql",
@@ -132,20 +216,20 @@ def _parser() -> argparse.ArgumentParser:
         help="only the migrations after VERSION (the schema's current version), for an upgrade",
     )
 
-    stats = commands.add_parser("stats", help="channels: size, in flight, next dequeue, policy")
+    stats = command("stats", help="channels: size, in flight, next dequeue, policy")
     stats.add_argument("--json", action="store_true", help="print JSON lines")
 
-    verify = commands.add_parser(
+    verify = command(
         "verify", help="check channel counters and heads against the messages (exit 1: problems)"
     )
     verify.add_argument("--json", action="store_true", help="print JSON lines")
 
-    maintain = commands.add_parser(
+    maintain = command(
         "maintain", help="vacuum the queue's high-churn tables if they need it (as their owner)"
     )
     maintain.add_argument("--json", action="store_true", help="print a JSON object")
 
-    create = commands.add_parser(
+    create = command(
         "create", help="create messages: one per argument, or one per line of standard input"
     )
     create.add_argument(
@@ -160,11 +244,12 @@ def _parser() -> argparse.ArgumentParser:
     _option(create, "dedup-key", "deduplication key (one message only)")
     create.add_argument("--json", action="store_true", help="print one JSON result per line")
 
-    policy = commands.add_parser("policy", help="set, clear or show channel policies")
+    policy = command("policy", help="set, clear or show channel policies")
     policy_commands = policy.add_subparsers(
         dest="policy_command", required=True, parser_class=_Command
     )
-    policy_set = policy_commands.add_parser(
+    policy_set = _add(
+        policy_commands,
         "set",
         help="set a channel's policy, whole: a limit not given is removed",
         description="Set a channel's policy. It replaces the whole policy: a limit not given "
@@ -174,23 +259,21 @@ def _parser() -> argparse.ArgumentParser:
     _option(policy_set, "max-concurrency", "messages locked at once (0 pauses)", type=int)
     _option(policy_set, "release-interval-ms", "minimum gap between two dequeues", type=int)
     _option(policy_set, "max-size", "messages held; beyond it creates are dropped", type=int)
-    policy_clear = policy_commands.add_parser("clear", help="remove a channel's policy")
+    policy_clear = _add(policy_commands, "clear", help="remove a channel's policy")
     policy_clear.add_argument("channel")
-    policy_show = policy_commands.add_parser("show", help="show policies")
+    policy_show = _add(policy_commands, "show", help="show policies")
     policy_show.add_argument("channel", nargs="?")
     policy_show.add_argument("--json", action="store_true", help="print JSON lines")
 
-    grant = commands.add_parser(
-        "grant", help="let a PostgreSQL role do what a producer, worker or admin needs"
-    )
+    grant = command("grant", help="let a PostgreSQL role do what a producer, worker or admin needs")
     grant.add_argument("role", help="an existing PostgreSQL role")
     grant.add_argument("kind", choices=["producer", "worker", "admin"])
-    revoke = commands.add_parser("revoke", help="take every right on the queue from a role")
+    revoke = command("revoke", help="take every right on the queue from a role")
     revoke.add_argument("role", help="an existing PostgreSQL role")
-    grants = commands.add_parser("grants", help="list the roles granted a kind")
+    grants = command("grants", help="list the roles granted a kind")
     grants.add_argument("--json", action="store_true", help="print JSON lines")
 
-    worker = commands.add_parser("worker", help="run MODULE:FUNCTION on every message")
+    worker = command("worker", help="run MODULE:FUNCTION on every message")
     worker.add_argument("handler", help="the handler, as module.path:function")
     _option(worker, "concurrency", "handlers running at once", type=int, default=4)
     _option(
@@ -224,38 +307,36 @@ def _parser() -> argparse.ArgumentParser:
         "--until-idle", action="store_true", help="exit once nothing is waiting or running"
     )
 
-    top = commands.add_parser(
-        "top", help="live per-channel view: size, in flight, net rate, next dequeue"
-    )
+    top = command("top", help="live per-channel view: size, in flight, net rate, next dequeue")
     _option(top, "interval", "seconds between refreshes", type=float, default=1.0)
     _option(top, "iterations", "stop after this many refreshes (default: until Ctrl-C)", type=int)
     top.add_argument("--json", action="store_true", help="print JSON lines per refresh")
 
-    schedule = commands.add_parser("schedule", help="add, list or remove periodic schedules")
+    schedule = command("schedule", help="add, list or remove periodic schedules")
     schedule_commands = schedule.add_subparsers(
         dest="schedule_command", required=True, parser_class=_Command
     )
-    schedule_add = schedule_commands.add_parser("add", help="create or update a schedule")
+    schedule_add = _add(schedule_commands, "add", help="create or update a schedule")
     schedule_add.add_argument("name")
     schedule_add.add_argument("--cron", required=True, help='five fields, UTC: "*/5 * * * *"')
     _option(schedule_add, "channel", "channel the task messages go to")
     schedule_add.add_argument("--content", default="", help="task message content (UTF-8)")
-    schedule_list = schedule_commands.add_parser("list", help="list schedules")
+    schedule_list = _add(schedule_commands, "list", help="list schedules")
     schedule_list.add_argument("--json", action="store_true", help="print JSON lines")
-    schedule_remove = schedule_commands.add_parser("remove", help="remove a schedule")
+    schedule_remove = _add(schedule_commands, "remove", help="remove a schedule")
     schedule_remove.add_argument("name")
 
-    archive = commands.add_parser("archive", help="inspect finished messages, replay failures")
+    archive = command("archive", help="inspect finished messages, replay failures")
     archive_commands = archive.add_subparsers(
         dest="archive_command", required=True, parser_class=_Command
     )
-    archive_list = archive_commands.add_parser("list", help="archived messages, newest first")
+    archive_list = _add(archive_commands, "list", help="archived messages, newest first")
     _option(archive_list, "outcome", "only this outcome (completed, failed)", type=_outcome)
     _option(archive_list, "channel", "only this channel")
     _option(archive_list, "limit", "at most this many", type=int, default=20)
     archive_list.add_argument("--json", action="store_true", help="print JSON lines")
-    archive_replay = archive_commands.add_parser(
-        "replay", help="create archived messages again (each at most once)"
+    archive_replay = _add(
+        archive_commands, "replay", help="create archived messages again (each at most once)"
     )
     archive_replay.add_argument("ids", nargs="*", type=int, help="archive ids")
     archive_replay.add_argument(
@@ -264,7 +345,7 @@ def _parser() -> argparse.ArgumentParser:
     _option(archive_replay, "channel", "with --failed: only this channel")
     archive_replay.add_argument("--json", action="store_true", help="print JSON lines")
 
-    bench = commands.add_parser(
+    bench = command(
         "bench", help="measure lonnymq against a raw SKIP LOCKED queue (same server, one run)"
     )
     bench.add_argument("--quick", action="store_true", help="a short smoke run (seconds)")
@@ -296,7 +377,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --long-txn: seconds the snapshot is held (env LONNYMQ_BENCH_HOLD)",
     )
 
-    demo = commands.add_parser(
+    demo = command(
         "demo",
         help="run the demo pipeline: Spark ingests orders, a Worker and a Spark stream drain "
         "them, Spark reports from the archives (needs the demo extra and Java 17+)",
@@ -310,6 +391,14 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("LONNYMQ_DEMO_OUT", "demo-output"),
         help="where the dataset, report.png, report.json and spark.log go "
         "(env LONNYMQ_DEMO_OUT; default demo-output)",
+    )
+    assert sorted(summaries) == sorted(EVERYDAY + TOOLING)
+    parser.description = "\n\n".join(
+        [
+            SUMMARY,
+            _listing("Everyday commands", EVERYDAY, summaries),
+            _listing("Tooling", TOOLING, summaries),
+        ]
     )
     return parser
 
@@ -718,15 +807,22 @@ def _create(q: Queue, args: argparse.Namespace) -> int:
 
 
 def _policy(q: Queue, args: argparse.Namespace) -> int:
-    if args.policy_command == "set":
-        q.channel(args.channel).set_policy(
-            max_concurrency=args.max_concurrency,
-            release_interval_ms=args.release_interval_ms,
-            max_size=args.max_size,
-        )
-        return 0
-    if args.policy_command == "clear":
-        q.channel(args.channel).clear_policy()
+    if args.policy_command in ("set", "clear"):
+        target = q.channel(args.channel)
+        if args.policy_command == "set":
+            target.set_policy(
+                max_concurrency=args.max_concurrency,
+                release_interval_ms=args.release_interval_ms,
+                max_size=args.max_size,
+            )
+        else:
+            target.clear_policy()
+        # Read back: what is in force now, whoever else changed it meanwhile.
+        stats = target.stats()
+        limits = "-" if stats is None else _policy_text(asdict(stats.policy))
+        in_force = "no limits" if limits == "-" else limits
+        done = "set" if args.policy_command == "set" else "cleared"
+        print(f"channel {target.name!r}: policy {done}; in force now: {in_force}")
         return 0
     rows = [
         (r.channel, asdict(r.policy))

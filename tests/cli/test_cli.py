@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
 import os
 import queue
@@ -12,13 +14,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
+import lonnymq
 from lonnymq import NewMessage, Queue, cli
 from lonnymq.migrate import latest_version
 
@@ -88,6 +91,85 @@ def test_migrate_print_refuses_a_version_it_does_not_know(dsn: str) -> None:
         assert result.returncode == 2, bad
         assert "--from: must be a schema version from 0 to" in result.stderr
         assert result.stdout == ""
+
+
+def test_version_is_the_installed_package_metadata(tmp_path: Path) -> None:
+    expected = importlib.metadata.version("lonnymq")
+    assert lonnymq.__version__ == expected
+    for command in ([sys.executable, "-m", "lonnymq"], [sys.executable, "-m", "lonnymq.cli"]):
+        shown = subprocess.run(
+            [*command, "--version"],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=60,
+            check=False,
+        )
+        assert (shown.returncode, shown.stdout, shown.stderr) == (0, f"lonnymq {expected}\n", "")
+
+
+def _parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every parser of the command line, by its program name: lonnymq, lonnymq policy set, ..."""
+    pending = [cli._parser()]
+    while pending:
+        parser = pending.pop()
+        yield parser.prog, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending.extend(action.choices.values())
+
+
+def test_help_is_plain_words_for_every_command() -> None:
+    parsers = dict(_parsers())
+    assert len(parsers) > 20
+    for prog, parser in parsers.items():
+        text = parser.format_help()
+        assert "``" not in text, prog
+        assert not re.search(r":(class|meth|func|mod):", text), prog
+        assert parser.description, f"{prog} --help says nothing about what it does"
+    top = parsers["lonnymq"].format_help()
+    # Every command is listed once, everyday ones apart from tooling.
+    everyday, tooling = top.index("Everyday commands:"), top.index("Tooling:")
+    for name in cli.EVERYDAY:
+        assert len(re.findall(rf"^  {name} ", top, re.MULTILINE)) == 1, name
+        assert everyday < top.index(f"\n  {name} ") < tooling, name
+    for name in cli.TOOLING:
+        assert tooling < top.index(f"\n  {name} ") < top.index("Exit codes:"), name
+    assert {prog.split()[1] for prog in parsers if prog.count(" ") == 1} == {
+        *cli.EVERYDAY,
+        *cli.TOOLING,
+    }
+    for code in ("0", "1", "2", "3", "130", "141"):
+        assert re.search(rf"^  {code} +\S", top, re.MULTILINE), code
+
+
+def test_every_environment_twin_the_help_names_follows_the_rule() -> None:
+    """An option's help names its twin as the epilog says: LONNYMQ_ and the option's name, with
+    the command's name in between for the --out and --hold of the tooling commands."""
+    twins = 0
+    for prog, parser in _parsers():
+        command = prog.split()[1] if " " in prog else ""
+        for action in parser._actions:
+            named = re.search(r"\(env (LONNYMQ_\w+)", action.help or "")
+            if named is None:
+                continue
+            option = max(action.option_strings, key=len)
+            name = option[2:].upper().replace("-", "_")
+            if command in cli.TOOLING and option in ("--out", "--hold"):
+                name = f"{command.upper()}_{name}"
+            assert named[1] == f"LONNYMQ_{name}", (prog, option)
+            twins += 1
+    assert twins >= 25
+
+
+def test_an_environment_twin_sets_its_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LONNYMQ_CONCURRENCY", "7")
+    monkeypatch.setenv("LONNYMQ_MAX_SIZE", "3")
+    worker = cli._parser().parse_args(["worker", "m:f"])
+    assert worker.concurrency == 7
+    policy = cli._parser().parse_args(["policy", "set", "p"])
+    assert policy.max_size == 3
+    assert cli._parser().parse_args(["policy", "set", "p", "--max-size", "9"]).max_size == 9
 
 
 def test_dsn_and_schema_may_follow_the_subcommand(dsn: str, schema_name: str) -> None:
@@ -544,6 +626,10 @@ def test_policy_set_show_clear(dsn: str, schema_name: str) -> None:
         "50",
     )
     assert set_.returncode == 0, set_.stderr
+    # Each change says what is in force now, as read back from the queue.
+    assert set_.stdout == (
+        "channel 'p': policy set; in force now: max_concurrency=2, release_interval_ms=50\n"
+    )
     shown = _run_in(dsn, schema_name, "policy", "show", "--json")
     assert [json.loads(line) for line in shown.stdout.splitlines()] == [
         {"channel": "p", "max_concurrency": 2, "release_interval_ms": 50, "max_size": None}
@@ -551,21 +637,40 @@ def test_policy_set_show_clear(dsn: str, schema_name: str) -> None:
     bad = _run_in(dsn, schema_name, "policy", "set", "p", "--max-size", "-1")
     assert bad.returncode == 1
     assert "InvalidPolicyError" in bad.stderr
-    assert _run_in(dsn, schema_name, "policy", "clear", "p").returncode == 0
+    assert bad.stdout == ""
+    # A policy set is whole: the limits not given are gone.
+    narrowed = _run_in(dsn, schema_name, "policy", "set", "p", "--max-size", "7")
+    assert narrowed.stdout == "channel 'p': policy set; in force now: max_size=7\n"
+    cleared = _run_in(dsn, schema_name, "policy", "clear", "p")
+    assert cleared.returncode == 0, cleared.stderr
+    assert cleared.stdout == "channel 'p': policy cleared; in force now: no limits\n"
     assert _run_in(dsn, schema_name, "policy", "show").stdout == ""
+    # A channel that holds messages keeps its row when its policy goes: still read back.
+    assert _run_in(dsn, schema_name, "create", "--channel", "held", "m").returncode == 0
+    assert _run_in(dsn, schema_name, "policy", "set", "held", "--max-concurrency", "0").stdout == (
+        "channel 'held': policy set; in force now: max_concurrency=0\n"
+    )
+    assert _run_in(dsn, schema_name, "policy", "clear", "held").stdout == (
+        "channel 'held': policy cleared; in force now: no limits\n"
+    )
 
 
 def test_maintain_vacuums_what_needs_it(
     dsn: str, make_queue: Any, churn: Callable[[Any, int, int], None]
 ) -> None:
+    # The command's two outcomes in both forms. (Whether a VACUUM leaves nothing due behind
+    # is tests/sql/test_maintenance.py's business: it needs a database of its own.)
     queue = make_queue()
+    idle = _run_in(dsn, queue.schema, "maintain")
+    assert idle.stdout.strip() == "nothing to do (or not the tables' owner)"
     assert json.loads(_run_in(dsn, queue.schema, "maintain", "--json").stdout) == {"vacuumed": []}
     churn(queue, 3_000, 600)
     done = _run_in(dsn, queue.schema, "maintain")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "vacuumed: channel, message"
-    again = _run_in(dsn, queue.schema, "maintain")
-    assert again.stdout.strip() == "nothing to do (or not the tables' owner)"
+    churn(queue, 3_000, 600)
+    again = _run_in(dsn, queue.schema, "maintain", "--json")
+    assert json.loads(again.stdout) == {"vacuumed": ["channel", "message"]}
 
 
 def test_worker_command_runs_a_handler_until_idle(
