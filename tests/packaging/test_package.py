@@ -64,6 +64,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.packaging
 @pytest.mark.timeout(1200)
 def test_the_wheel_installs_and_its_command_works_from_anywhere(
     dsn: str, schema_name: str, tmp_path: Path
