@@ -944,7 +944,9 @@ class AsyncQueue:
 
     async def maintain(self) -> list[str]:
         """VACUUM the queue's high-churn tables (``channel``, ``message``) that hold enough
-        dead row versions to slow dequeues down; returns the names of those vacuumed. Workers
+        dead row versions to slow dequeues down; returns the names of those vacuumed. Only
+        the dead row versions made since its last VACUUM of a table count: those that an older
+        snapshot (a long transaction) kept from that VACUUM are not vacuumed for again. Workers
         call it every ``maintenance_ms``. It needs the tables' owner (or a superuser): for a
         role granted a kind it does nothing and returns ``[]`` (after one refusal this queue
         stops asking). No ``conn``: VACUUM cannot run inside a transaction."""
@@ -961,6 +963,7 @@ class AsyncQueue:
                 sql.Identifier(self._schema, table)
             )
             await self._run(statement, {}, None, label="vacuum")
+            await self._fetch("maintenance_vacuumed", {"table_name": table}, None)
         return tables
 
     async def set_clock_offset(

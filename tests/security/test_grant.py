@@ -92,6 +92,7 @@ def _table_statements(schema: str) -> list[sql.Composed]:
         sql.SQL("UPDATE {}.config SET archive = true").format(ident),
         sql.SQL("DELETE FROM {}.archive").format(ident),
         sql.SQL("SELECT * FROM {}.role_grant").format(ident),
+        sql.SQL("DELETE FROM {}.maintenance_vacuum").format(ident),
         sql.SQL("SELECT nextval({})").format(sql.Literal(f"{schema}.message_id_seq")),
         sql.SQL("CREATE TABLE {}.mine (x int)").format(ident),
     ]

@@ -138,3 +138,6 @@ SELECT role_name, kind, granted_at FROM {schema}.role_list()
 
 -- name: maintenance_due
 SELECT table_name FROM {schema}.maintenance_due()
+
+-- name: maintenance_vacuumed
+SELECT {schema}.maintenance_vacuumed(p_table_name => %(table_name)s::text)

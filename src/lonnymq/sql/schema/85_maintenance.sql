@@ -26,6 +26,15 @@
 -- 1,909 -> 1,345 calls/s over three 8-second runs without a VACUUM, 2,452 and 2,797 right
 -- after one). So the worker runtime vacuums them itself (Queue.maintain), and asks
 -- maintenance_due() first which ones are due.
+--
+-- A VACUUM removes only the dead row versions that no snapshot in the database can still see.
+-- While an older snapshot lives (a long transaction anywhere in the database), it removes none
+-- of the newer ones and the statistics' dead row count stays as high as before: counted whole,
+-- it would make every later maintain() (each worker's, every second) vacuum again for nothing.
+-- So maintain() records after each VACUUM how many dead row versions the table had been given
+-- (maintenance_vacuumed), and maintenance_due() counts only those made since, capped by the
+-- statistics' dead row count (autovacuum or pruning may have removed some of them since).
+-- What the held-back VACUUM left is removed by the next one, once enough new rows died.
 
 
 -- queue_verify(): one row per discrepancy between the channel rows and the message rows:
@@ -159,9 +168,13 @@ $$;
 
 
 -- maintenance_due(): the tables among channel and message that hold at least 200 (channel) or
--- 2,000 (message) dead row versions plus one per 20 live rows, as the statistics collector
--- counts them, and that the session's login role may vacuum (it has their owner's
--- privileges: VACUUM needs them). Read-only; the caller runs VACUUM on each name returned.
+-- 2,000 (message) dead row versions plus one per 20 live rows, as the statistics count them,
+-- and that the session's login role may vacuum (it has their owner's privileges: VACUUM needs
+-- them). A table that maintenance_vacuumed() recorded counts only the dead row versions made
+-- since (its updates plus deletes since then), at most the statistics' dead row count: those
+-- a VACUUM left behind for an older snapshot are not counted again. Counters lower than
+-- recorded mean the statistics were reset: the statistics' dead row count then counts whole.
+-- Read-only; the caller runs VACUUM on each name returned, then maintenance_vacuumed().
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION maintenance_due() RETURNS TABLE (table_name TEXT)
 LANGUAGE sql STABLE
@@ -170,12 +183,50 @@ AS $$
     SELECT c.relname::TEXT
     FROM pg_catalog.pg_class c
     LEFT JOIN pg_catalog.pg_stat_all_tables s ON s.relid = c.oid
-    WHERE c.relnamespace = (SELECT n.oid FROM pg_catalog.pg_namespace n
-                            WHERE n.nspname = pg_catalog.current_schema())
+    LEFT JOIN maintenance_vacuum v ON v.table_name = c.relname::TEXT
+    CROSS JOIN LATERAL (
+        SELECT coalesce(s.n_dead_tup, 0) AS dead,
+               coalesce(s.n_tup_upd, 0) + coalesce(s.n_tup_del, 0) AS dead_made,
+               coalesce(s.vacuum_count, 0) + coalesce(s.autovacuum_count, 0) AS vacuums
+    ) n
+    WHERE c.relnamespace = (SELECT ns.oid FROM pg_catalog.pg_namespace ns
+                            WHERE ns.nspname = pg_catalog.current_schema())
       AND c.relname IN ('channel', 'message')
       AND pg_catalog.pg_has_role(session_user, c.relowner, 'USAGE')
-      AND coalesce(s.n_dead_tup, 0)
+      AND CASE WHEN v.table_name IS NULL OR n.dead_made < v.dead_made OR n.vacuums < v.vacuums
+               THEN n.dead
+               ELSE least(n.dead, n.dead_made - v.dead_made)
+          END
           >= CASE c.relname WHEN 'channel' THEN 200 ELSE 2000 END
              + coalesce(s.n_live_tup, 0) / 20
     ORDER BY c.relname
+$$;
+
+
+-- maintenance_vacuumed(): record that Queue.maintain() has just run VACUUM on p_table_name
+-- ('channel' or 'message'): how many dead row versions the table had been given so far (the
+-- statistics' updates plus deletes, which no VACUUM resets) and how many times it was
+-- vacuumed (that drops only when the statistics are reset). It drops the statistics this
+-- transaction may have cached (stats_fetch_consistency) to read them as the VACUUM left them.
+-- A VACUUM that SKIP_LOCKED skipped is recorded too: the lock it could not take is mostly
+-- another VACUUM's (autovacuum's, another worker's), which reaches the same rows.
+-- Locks: the table's maintenance_vacuum row. Raises: LQ003 (another table name).
+CREATE OR REPLACE FUNCTION maintenance_vacuumed(p_table_name TEXT) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    PERFORM arg_check(p_table_name IN ('channel', 'message'),
+        format('table_name must be channel or message, got %s',
+               coalesce(quote_literal(p_table_name), 'NULL')));
+    PERFORM pg_catalog.pg_stat_clear_snapshot();
+    INSERT INTO maintenance_vacuum (table_name, dead_made, vacuums)
+    SELECT p_table_name,
+           coalesce(sum(s.n_tup_upd + s.n_tup_del), 0),
+           coalesce(sum(s.vacuum_count + s.autovacuum_count), 0)
+    FROM pg_catalog.pg_stat_all_tables s
+    WHERE s.schemaname = pg_catalog.current_schema() AND s.relname = p_table_name
+    ON CONFLICT (table_name) DO UPDATE
+        SET dead_made = excluded.dead_made, vacuums = excluded.vacuums;
+END;
 $$;
