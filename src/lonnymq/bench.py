@@ -23,7 +23,6 @@ from here, side by side in one run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -43,9 +42,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ._bench_env import drop_schemas, spark_unavailable
 from .queue import Queue
 
-__all__ = ["Profile", "run_bench", "spark_unavailable"]
+__all__ = ["Profile", "drop_schemas", "run_bench", "spark_unavailable"]
 
 SCHEMA = "lonnymq_bench"
 RAW_SCHEMA = "lonnymq_bench_raw"
@@ -236,26 +236,6 @@ SCRIPTS = {
         "\\endif\n"
     ),
 }
-
-
-def spark_unavailable() -> str | None:
-    """Why the Spark figures cannot be measured here (``None``: they can)."""
-    if importlib.util.find_spec("pyspark") is None:
-        return "pyspark is not installed (pip install 'lonnymq[spark]')"
-    java_home = os.environ.get("JAVA_HOME")
-    if not (java_home and Path(java_home, "bin", "java").exists()) and not shutil.which("java"):
-        return "no Java runtime (set JAVA_HOME or put java on PATH)"
-    return None
-
-
-def drop_schemas(dsn: str, *schemas: str) -> None:
-    """Drop ``schemas`` (none: nothing; a bench run's own are ``BENCH_SCHEMAS``), if they
-    exist."""
-    if not schemas:
-        return
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for schema in schemas:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
 def pgbench_path() -> str:

@@ -12,7 +12,7 @@ run on one PostgreSQL:
   per micro-batch size (``maxMessagesPerBatch``), with ``Trigger.AvailableNow`` into the
   ``noop`` sink.
 
-Needs pyspark and Java: ``lonnymq.bench.spark_unavailable`` says what is missing.
+Needs pyspark and Java: ``unavailable`` (``lonnymq.bench.spark_unavailable``) says what is missing.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from ..bench import drop_schemas
-from ..bench import spark_unavailable as unavailable
+from .._bench_env import drop_schemas
+from .._bench_env import spark_unavailable as unavailable
 from ..queue import Queue
 
 if TYPE_CHECKING:
