@@ -363,10 +363,14 @@ class Bench:
         path.write_text(SCRIPTS[key].format(**self.names))
         return path
 
-    def _pgbench(self, script: Path, clients: int, channels: int) -> subprocess.Popen[str]:
-        """Start pgbench on ``script`` for the profile's duration."""
+    def _pgbench(
+        self, script: Path, clients: int, channels: int, *, calls: int | None = None
+    ) -> subprocess.Popen[str]:
+        """Start pgbench on ``script`` for the profile's duration, or for exactly ``calls``
+        runs of it per client (whatever the time they take)."""
+        length = ["-T", str(self.profile.seconds)] if calls is None else ["-t", str(calls)]
         args = [
-            self.pgbench, "-n", "-c", str(clients), "-j", "1", "-T", str(self.profile.seconds),
+            self.pgbench, "-n", "-c", str(clients), "-j", "1", *length,
             "-f", str(script), "-D", f"channels={channels}",
             "-D", "id=0", "-D", "na=0", "-D", "ids={}", "-D", "nas={}", self.dsn,
         ]  # fmt: skip

@@ -134,16 +134,20 @@ def test_bench_drops_its_schemas_when_a_run_fails(
 def test_the_durable_floor_locks_each_message_once_then_finishes_it(
     dsn: str, tmp_path: Path, batch: int
 ) -> None:
-    """The durable floor's consumers, racing, never lock a message twice, delete only what a
-    call before locked, and leave locked only what each client's last call took."""
+    """The durable floor's consumers, racing, never lock a message twice, delete exactly what
+    their calls before locked, and leave locked exactly what each client's last call took.
+
+    Each client makes a fixed number of calls (not calls for a fixed time) on a backlog that
+    outlasts them all, so every call takes a full batch however fast the server is."""
     profile = PROFILES["quick"]
+    clients, calls = profile.clients, 100
     bench = Bench(dsn, profile, tmp_path, lambda _: None)
-    total = 5_000 * batch  # more than the calls can take in the run
+    total = clients * (calls + 1) * batch  # a batch a client more than all the calls take
     try:
         bench.reset()
         bench.prefill("durable", total, 1)
         script = bench._script(("durable", "take", batch))
-        bench._tps(bench._pgbench(script, profile.clients, 1))
+        bench._tps(bench._pgbench(script, clients, 1, calls=calls))
         with psycopg.connect(dsn) as conn:
             attempts, locked, left = conn.execute(
                 "SELECT coalesce(max(attempts), 0), "
@@ -154,12 +158,12 @@ def test_the_durable_floor_locks_each_message_once_then_finishes_it(
                 f"SELECT count(*) FROM {RAW_SCHEMA}.durable_queue "
                 "WHERE unlock_at IS NULL AND attempts > 0"
             ).fetchone()
-        assert attempts <= 1  # nobody took a message that another call held
+        assert attempts == 1  # nobody took a message that another call held
         assert unlocked_attempted == (0,)
-        assert 0 < locked <= profile.clients * batch  # each client's last take, unfinished
-        assert left < total  # the calls finished what they took before
-        consumed = bench._produced("durable") - bench._remaining("durable")
-        assert consumed == total - left
+        assert locked == clients * batch  # each client's last take, unfinished
+        finished = clients * (calls - 1) * batch  # every take before it, finished
+        assert left == total - finished
+        assert bench._produced("durable") - bench._remaining("durable") == finished
     finally:
         bench.close()
         drop_schemas(dsn, *BENCH_SCHEMAS)
