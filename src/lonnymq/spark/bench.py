@@ -1,5 +1,4 @@
-"""Spark figures for ``lonnymq bench`` (and ``benchmarks/spark_write.py``), side by side in one
-run on one PostgreSQL:
+"""Spark figures for ``lonnymq bench``, side by side in one run on one PostgreSQL:
 
 * the batch write's bulk enqueue rate (``df.write.format("lonnymq")`` on ``local[2]``: tasks
   COPY into staging, the driver's commit promotes) against a raw binary ``COPY`` of the same
