@@ -14,8 +14,9 @@ statement, with no channels, fairness or policies. It is the least any queue tha
 finishes can do, so a lonnymq row's ratio to it says what its own logic costs, apart from
 what durability costs.
 
-Dequeue latency against backlog size and against the pathological shapes of seed 003 is
-measured from Python, one call at a time.
+Dequeue latency against backlog size and against pathological backlogs (future-dated
+messages ahead, one channel per message, expired locks, saturated channels) is measured from
+Python, one call at a time.
 
 Speed is never judged by the test suite (the machine is shared and noisy); the figures come
 from here, side by side in one run.
@@ -478,8 +479,8 @@ class Bench:
             # Enough not to run dry within the run: batches drain faster, the raw queue's
             # most; the durable floor's at about a third of its rate (35,000 msg/s against
             # 99,000 on 2026-11-27); lonnymq's batches over 100,000 channels a little slower
-            # (and filling that many channels is slow): two messages a channel there (one ran
-            # dry at 0038).
+            # (and filling that many channels is slow): two messages a channel there (one a
+            # channel ran dry within a run).
             scale = 1
             if batch > 1:
                 scale = {"raw": 10, "durable": 4}.get(kind, 4 if channels < 1000 else 2)
