@@ -311,8 +311,11 @@ class Bench:
         log: Callable[[str], None],
         *,
         maintenance: bool = True,
+        schemas: tuple[str, str] = BENCH_SCHEMAS,
     ) -> None:
         self.dsn = dsn
+        # The lonnymq queue's schema and the raw queue's (and the durable floor's).
+        self.schema, self.raw_schema = schemas
         self.maintenance = maintenance
         self.vacuums = 0
         self.profile = profile
@@ -323,8 +326,8 @@ class Bench:
         # Set by reset(): the bench's schemas may exist and are dropped at the end.
         self.made_schemas = False
         self.names = {
-            "s": sql.Identifier(SCHEMA).as_string(),
-            "r": sql.Identifier(RAW_SCHEMA).as_string(),
+            "s": sql.Identifier(self.schema).as_string(),
+            "r": sql.Identifier(self.raw_schema).as_string(),
         }
 
     def close(self) -> None:
@@ -341,8 +344,10 @@ class Bench:
         self.made_schemas = True
         with self._admin() as conn:
             conn.execute(RAW_DDL.format(**self.names).encode())
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
-        with Queue(self.dsn, schema=SCHEMA) as queue:
+            conn.execute(
+                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(self.schema))
+            )
+        with Queue(self.dsn, schema=self.schema) as queue:
             queue.install()
 
     def prefill(self, queue_kind: str, count: int, channels: int) -> None:
@@ -351,11 +356,11 @@ class Bench:
                 conn.execute(
                     sql.SQL(
                         "INSERT INTO {} (payload) SELECT '\\x00'::bytea FROM generate_series(1, %s)"
-                    ).format(sql.Identifier(RAW_SCHEMA, RAW_TABLES[queue_kind])),
+                    ).format(sql.Identifier(self.raw_schema, RAW_TABLES[queue_kind])),
                     (count,),
                 )
                 return
-            fill_backlog(conn, SCHEMA, count, channels)
+            fill_backlog(conn, self.schema, count, channels)
 
     # -- pgbench -------------------------------------------------------------------------
 
@@ -387,9 +392,9 @@ class Bench:
         the plain queue's table name followed by ``suffix`` (raw queue, durable floor) or
         ``lonnymq_name`` (lonnymq)."""
         relation = (
-            sql.Identifier(RAW_SCHEMA, RAW_TABLES[kind] + suffix)
+            sql.Identifier(self.raw_schema, RAW_TABLES[kind] + suffix)
             if kind in RAW_TABLES
-            else sql.Identifier(SCHEMA, lonnymq_name)
+            else sql.Identifier(self.schema, lonnymq_name)
         )
         with self._admin() as conn:
             row = conn.execute(sql.SQL(query).format(relation)).fetchone()
@@ -412,11 +417,11 @@ class Bench:
         stop = threading.Event()
 
         def maintain() -> None:
-            with Queue(self.dsn, schema=SCHEMA, pool_size=1) as queue, self._admin() as conn:
+            with Queue(self.dsn, schema=self.schema, pool_size=1) as queue, self._admin() as conn:
                 table = RAW_TABLES.get(kind, "raw_queue")
                 raw_due = sql.SQL(RAW_DUE.format(**self.names, table=table))
                 raw_vacuum = sql.SQL("VACUUM (SKIP_LOCKED) {}").format(
-                    sql.Identifier(RAW_SCHEMA, table)
+                    sql.Identifier(self.raw_schema, table)
                 )
                 while not stop.wait(MAINTENANCE_S):
                     if kind in RAW_TABLES:
@@ -529,7 +534,7 @@ class Bench:
         for name, size, fill in shapes:
             self.reset()
             with self._admin() as conn:
-                conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(SCHEMA)))
+                conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
                 with conn.transaction():
                     fill(conn, size)
                 conn.execute("ANALYZE message")
@@ -544,7 +549,7 @@ class Bench:
     def _probe(self) -> list[float]:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             statement = sql.SQL("SELECT id FROM {}.message_dequeue(%s)").format(
-                sql.Identifier(SCHEMA)
+                sql.Identifier(self.schema)
             )
             for _ in range(10):  # warm up: connection, plans
                 conn.execute(statement, (LOCK_MS,), prepare=True).fetchall()
@@ -571,7 +576,7 @@ class Bench:
             arrived.set()
 
         timings: list[float] = []
-        with Queue(self.dsn, schema=SCHEMA, event_channel="lonnymq_bench") as queue:
+        with Queue(self.dsn, schema=self.schema, event_channel="lonnymq_bench") as queue:
             queue.install()
             worker = Worker(queue, handler, concurrency=1, lock_ms=LOCK_MS, idle_ms=60_000)
             thread = threading.Thread(
@@ -603,7 +608,7 @@ class Bench:
         count = self.profile.worker_messages
         self.prefill("lonnymq", count, 100)
         clients = self.profile.clients
-        with Queue(self.dsn, schema=SCHEMA, pool_size=clients + 4) as queue:
+        with Queue(self.dsn, schema=self.schema, pool_size=clients + 4) as queue:
             worker = Worker(queue, lambda message: None, concurrency=clients, lock_ms=LOCK_MS)
             started = time.perf_counter()
             stats = worker.run(handle_signals=False, until_idle=True)

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,6 @@ from lonnymq import Queue
 from lonnymq.bench import (
     BENCH_SCHEMAS,
     PROFILES,
-    RAW_SCHEMA,
     Bench,
     drop_schemas,
     pgbench_tps,
@@ -143,7 +143,10 @@ def test_the_durable_floor_locks_each_message_once_then_finishes_it(
     outlasts them all, so every call takes a full batch however fast the server is."""
     profile = PROFILES["quick"]
     clients, calls = profile.clients, 100
-    bench = Bench(dsn, profile, tmp_path, lambda _: None)
+    # Schemas of its own, so that another session's bench on the server cannot meet it.
+    schemas = (f"t_{uuid.uuid4().hex[:16]}", f"t_{uuid.uuid4().hex[:16]}")
+    raw = schemas[1]
+    bench = Bench(dsn, profile, tmp_path, lambda _: None, schemas=schemas)
     total = clients * (calls + 1) * batch  # a batch a client more than all the calls take
     try:
         bench.reset()
@@ -159,11 +162,10 @@ def test_the_durable_floor_locks_each_message_once_then_finishes_it(
             attempts, locked, left = conn.execute(
                 "SELECT coalesce(max(attempts), 0), "
                 "count(*) FILTER (WHERE unlock_at IS NOT NULL), count(*) "
-                f"FROM {RAW_SCHEMA}.durable_queue"
+                f"FROM {raw}.durable_queue"
             ).fetchone() or (0, 0, 0)
             unlocked_attempted = conn.execute(
-                f"SELECT count(*) FROM {RAW_SCHEMA}.durable_queue "
-                "WHERE unlock_at IS NULL AND attempts > 0"
+                f"SELECT count(*) FROM {raw}.durable_queue WHERE unlock_at IS NULL AND attempts > 0"
             ).fetchone()
         assert attempts == 1  # nobody took a message that another call held
         assert unlocked_attempted == (0,)
@@ -173,7 +175,7 @@ def test_the_durable_floor_locks_each_message_once_then_finishes_it(
         assert bench._produced("durable") - bench._remaining("durable") == finished
     finally:
         bench.close()
-        drop_schemas(dsn, *BENCH_SCHEMAS)
+        drop_schemas(dsn, *schemas)
 
 
 def test_the_spark_ceiling_copies_every_row_into_an_emptied_message_table(
