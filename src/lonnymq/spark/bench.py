@@ -1,5 +1,4 @@
-"""Spark figures for ``lonnymq bench`` (and ``benchmarks/spark_write.py``), side by side in one
-run on one PostgreSQL:
+"""Spark figures for ``lonnymq bench``, side by side in one run on one PostgreSQL:
 
 * the batch write's bulk enqueue rate (``df.write.format("lonnymq")`` on ``local[2]``: tasks
   COPY into staging, the driver's commit promotes) against a raw binary ``COPY`` of the same
@@ -12,7 +11,7 @@ run on one PostgreSQL:
   per micro-batch size (``maxMessagesPerBatch``), with ``Trigger.AvailableNow`` into the
   ``noop`` sink.
 
-Needs pyspark and Java: ``lonnymq.bench.spark_unavailable`` says what is missing.
+Needs pyspark and Java: ``unavailable`` (``lonnymq.bench.spark_unavailable``) says what is missing.
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from ..bench import drop_schemas
-from ..bench import spark_unavailable as unavailable
+from .._bench_env import drop_schemas
+from .._bench_env import spark_unavailable as unavailable
 from ..queue import Queue
 
 if TYPE_CHECKING:

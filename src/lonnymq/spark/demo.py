@@ -21,7 +21,7 @@ from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from ..demo import (
+from .._demo_model import (
     MAX_ATTEMPTS,
     NOTIFY_MIN_CENTS,
     PERMANENT_EVERY,
