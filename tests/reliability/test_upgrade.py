@@ -3,6 +3,7 @@ stale function layer is put back, and an upgrade under load loses nothing."""
 
 from __future__ import annotations
 
+import gzip
 import threading
 import time
 import uuid
@@ -20,9 +21,11 @@ from lonnymq.worker import Worker
 HOLD_MS = 600_000  # the held messages must outlive the whole test
 OLD_LOCK_MS = 60_000
 
-# The install script of the first baseline (``migrate.script(FROZEN_SCHEMA)`` when the
-# migrations were collapsed into it), never edited: the oldest schema an install upgrades.
-FROZEN = Path(__file__).with_name("schema_baseline.sql")
+# The install script of the first baseline (``migrate.script(FROZEN_SCHEMA)`` at the commit
+# that collapsed the development migrations into it), never edited: the oldest schema an
+# install upgrades. It is an artifact, not source, so it is kept compressed: the schema's
+# functions are defined once, in src/lonnymq/sql/schema/, and nowhere else in the tree.
+FROZEN = Path(__file__).parent / "frozen" / "first-baseline.sql.gz"
 FROZEN_SCHEMA = "lonnymq_frozen"
 
 Conn = psycopg.Connection[Any]
@@ -32,7 +35,8 @@ def install_frozen(conn: Conn, schema: str) -> None:
     """Install the frozen baseline into ``schema`` (a plain name, as the tests' are)."""
     assert schema.isidentifier()
     assert schema == schema.lower()
-    conn.execute(FROZEN.read_text("utf-8").replace(FROZEN_SCHEMA, schema).encode())
+    script = gzip.decompress(FROZEN.read_bytes()).decode("utf-8")
+    conn.execute(script.replace(FROZEN_SCHEMA, schema).encode())
 
 
 def _catalog(conn: Conn, schema: str) -> dict[str, list[tuple[Any, ...]]]:
