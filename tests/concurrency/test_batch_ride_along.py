@@ -1,7 +1,7 @@
-"""Migration 0036: a batch dequeue rides along on busy channels in one statement (step 2b of
-message_dequeue_loop). Three faults a review of its first version found, each reproduced:
-a channel with a policy starved, advisory locks growing with the square of the limit, and a
-false empty when a policy is set while the batch rides along."""
+"""A batch dequeue rides along on busy channels in one statement (step 2b of
+message_dequeue_loop, in sql/schema/40_take.sql). Three faults a review of its first version
+found, each reproduced: a channel with a policy starved, advisory locks growing with the square
+of the limit, and a false empty when a policy is set while the batch rides along."""
 
 from __future__ import annotations
 
@@ -201,11 +201,11 @@ def _stale(dsn: str, schema: str, channels: list[str], now: int) -> None:
 def test_riding_along_fills_the_batch_from_busy_channels_among_stale_ones(
     dsn: str, queue: Queue, layout: str
 ) -> None:
-    """Every row is held; most due channels are stale. deep_first: channel g, first in turn,
-    has 100 ready messages; spread: 10 channels of 20 ready messages each among 190 stale
-    ones, a stale one first. A batch takes as many as the limit asks for, as before 0036 (the
-    second version gave 3 of 50, and 60 of 100: each round charged its whole window as
-    probes and gave each channel one message)."""
+    """Every row is held; most due channels are stale. deep_first: channel g, first in turn, has
+    100 ready messages; spread: 10 channels of 20 ready messages each among 190 stale ones, a
+    stale one first. A batch takes as many as the limit asks for, as before it rode along in one
+    statement (that statement's second version gave 3 of 50, and 60 of 100: each round charged
+    its whole window as probes and gave each channel one message)."""
     now = queue.now()
     if layout == "deep_first":
         limit = 50

@@ -1,5 +1,5 @@
 """Creates and policy operations combined in one transaction, two such transactions at once
-(the README's "Safe to combine in one transaction").
+(docs/guide/transactions.md, "What to combine": "Safe in one transaction").
 
 Every ``create`` holds its channel's advisory lock in shared mode until commit (and the
 channel's row too when the channel has a policy); a policy operation takes that lock in

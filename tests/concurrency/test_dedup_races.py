@@ -162,9 +162,10 @@ def test_racing_creators_of_one_key_make_one_message(queue: Queue, single_first:
 def test_a_deadlock_left_to_postgresql_is_a_typed_retryable_error(
     dsn: str, queue: Queue, admin: psycopg.Connection[Any]
 ) -> None:
-    """The case the README names: a transaction holding a key (from a keyed create) then
-    writes the channel's row, while a batch of that key holds the row and waits for the key.
-    PostgreSQL rolls one of the two back; that one gets TransactionConflictError (40P01)."""
+    """The case docs/guide/transactions.md names: a transaction holding a key (from a keyed
+    create) then writes the channel's row, while a batch of that key holds the row and waits for
+    the key. PostgreSQL rolls one of the two back; that one gets TransactionConflictError
+    (40P01)."""
     later = queue.now() + HOUR_MS
     queue.create(b"later", channel="c", dequeue_at=later)  # the channel is due in an hour
     outcomes: list[Any] = []

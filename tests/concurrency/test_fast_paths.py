@@ -1,4 +1,4 @@
-"""Migrations 0002 and 0005: the fast paths, with real sessions interleaved on purpose.
+"""The fast paths, with real sessions interleaved on purpose.
 
 A channel without a policy keeps no counters and its row is written only to say when it is
 next due: concurrent dequeues of one hot channel "ride along" instead of skipping it, a create
@@ -182,7 +182,7 @@ def test_second_session_rides_along_while_the_row_is_held(
 
 def test_ride_along_moves_on_when_a_busy_channels_heads_are_taken(dsn: str, queue: Queue) -> None:
     """Every due channel's row is held elsewhere, and the first one's only head too: a dequeue
-    takes the next busy channel's head instead of answering "nothing" (0011)."""
+    takes the next busy channel's head instead of answering "nothing"."""
     now = queue.now()
     first = queue.create(b"a", channel="a", dequeue_at=now - 1_000).id  # "a" comes first
     second = queue.create(b"b", channel="b").id
@@ -206,8 +206,8 @@ def test_single_dequeue_passes_a_channel_whose_heads_are_held(
 ) -> None:
     """The channel whose turn it is has its row free but its only head held by another
     session (riding along): a dequeue of one message sends that channel back and takes the
-    next channel's head instead, and the held head is served once it is free. Before 0022 the
-    call took the same channel again at every probe and answered nothing (a false empty)."""
+    next channel's head instead, and the held head is served once it is free. (An earlier
+    design took the same channel again at every probe and answered nothing: a false empty.)"""
     now = queue.now()
     first = queue.create(b"a", channel="a", dequeue_at=now - 1_000).id  # "a" comes first
     second = queue.create(b"b", channel="b").id
@@ -250,7 +250,7 @@ def test_dequeue_passes_a_channel_whose_policy_is_being_changed(
     """The channel first in turn has its policy being changed (its advisory lock held
     exclusively, as channel_policy_set holds it), its row free or, with every due channel's
     row, held by another dequeue: a dequeue passes it and takes the next channel's message.
-    Before 0022 it answered "nothing"."""
+    (An earlier design answered "nothing".)"""
     now = queue.now()
     first = queue.create(b"a", channel="a", dequeue_at=now - 1_000).id  # "a" comes first
     second = queue.create(b"b", channel="b").id
@@ -273,7 +273,7 @@ def test_dequeue_rides_along_past_a_held_channel_with_a_policy(
 ) -> None:
     """Another session holds the rows of a channel with a policy, first in turn, and of a
     policy-free one: a dequeue waits a little for the first, then passes it and rides along on
-    the second. Before 0027 it answered "nothing" after the wait."""
+    the second. (An earlier design answered "nothing" after the wait.)"""
     queue.channel("p").set_policy(max_concurrency=10)
     now = queue.now()
     queue.create(b"p", channel="p", dequeue_at=now - 1_000)  # "p" comes first in turn
@@ -291,8 +291,8 @@ def test_dequeue_rides_along_past_a_held_channel_with_a_policy(
 def test_a_batch_dequeue_locks_only_the_heads_it_takes(dsn: str, queue: Queue) -> None:
     """A batch of 3 over two channels takes a1, b1 and a2: b2, read but not taken, is left
     free, so a dequeue running beside it (riding along on "b" once "a" has nothing left) takes
-    b2 and not the message behind it. Before 0027 b2 stayed locked until the batch's
-    transaction ended, and b3 left before it."""
+    b2 and not the message behind it. (An earlier design kept b2 locked until the batch's
+    transaction ended, and b3 left before it.)"""
     contents = [b"a1", b"a2", b"b1", b"b2", b"b3", b"b4"]
     created = queue.create_many([NewMessage(c, channel=chr(c[0])) for c in contents])
     ids = dict(zip(contents, (r.id for r in created), strict=True))
@@ -316,8 +316,9 @@ def _hold_channel_rows(session: Conn, schema: str, *names: str) -> None:
 def test_a_batch_rides_along_on_busy_channels_in_turn(dsn: str, queue: Queue, plans: str) -> None:
     """Every due channel's row is held by another session: a batch takes what the first busy
     channel has, then the other channels' heads round robin (b1, c1, b2, ...), as it does from
-    channels whose rows it locks. Before 0036 it took all it could from one busy channel after
-    another (b1, b2, ... then c1, ...). The same with the generic plans a session caches."""
+    channels whose rows it locks. (An earlier design took all it could from one busy channel
+    after another: b1, b2, and so on, then c1.) The same with the generic plans a session
+    caches."""
     now = queue.now()
     # "a" first in turn, then "b", then "c".
     offsets = {"a": 3_000, "b": 2_000, "c": 1_000}
@@ -370,7 +371,7 @@ def test_create_leaves_a_due_channel_row_held_by_a_dequeue_alone(
 ) -> None:
     """A dequeue served the channel a moment after the producer's transaction began, so the
     row says later than the producer's message but is due: the producer does not wait for the
-    row (0011)."""
+    row."""
     queue.create(b"first", channel="a")
     with _session(dsn) as producer, _session(dsn) as holder:
         started = queue.now(conn=producer)  # the producer's transaction clock from here on
@@ -413,7 +414,7 @@ def test_batch_creates_take_turns_making_a_missing_channel_row(
     dsn: str, queue: Queue, other_commits: bool
 ) -> None:
     """Another batch is making channel n's row (not committed): this batch waits for its
-    creation lock (0019), then looks again. If the other committed, its row is used as it is;
+    creation lock, then looks again. If the other committed, its row is used as it is;
     if it aborted, this batch makes the row: either way its message is served. The caller's
     lock_timeout is as it was."""
     with _session(dsn) as other, _session(dsn) as producer:
@@ -443,11 +444,11 @@ def test_batch_creates_take_turns_making_a_missing_channel_row(
 def test_single_writes_take_turns_making_a_missing_channel_row(
     dsn: str, queue: Queue, admin: Conn, other_commits: bool, op: str
 ) -> None:
-    """Another session is making channel n's row (its create is not committed): a single
-    create, or a defer of a message of n whose row went when its last waiting message was
-    taken, waits for the creation lock (0020) and looks again. Once it returns, its open
-    transaction does not hold the row (before 0020 its upsert locked a row that was due and
-    kept it to commit, so every dequeue skipped it), and its message is served."""
+    """Another session is making channel n's row (its create is not committed): a single create,
+    or a defer of a message of n whose row went when its last waiting message was taken, waits
+    for the creation lock and looks again. Once it returns, its open transaction does not hold
+    the row (in an earlier design its upsert locked a row that was due and kept it to commit, so
+    every dequeue skipped it), and its message is served."""
     held = None
     if op == "defer":
         queue.create(b"mine", channel="n")
@@ -980,7 +981,8 @@ def test_complete_and_dequeue_refusal_changes_nothing(
 
 
 def test_complete_and_dequeue_one_id_reports_stale_and_not_found(queue: Queue) -> None:
-    # One id takes a direct path (0010): the same statuses as a batch.
+    # One id is finished directly (message_complete_and_dequeue, sql/schema/50_finish.sql):
+    # the same statuses as a batch.
     queue.create(b"first", channel="a")
     stale = queue.dequeue(lock_ms=1_000)
     assert stale is not None
@@ -1128,7 +1130,7 @@ def test_stats_lists_a_channel_with_only_messages_in_flight(queue: Queue, admin:
     assert _channel_rows(admin, queue.schema) == []
 
 
-# -- 0005: batches for a few policy-free channels take advisory locks, not rows --------------
+# -- Batches for a few policy-free channels take advisory locks, not rows --------------------
 
 
 def _rows(admin: Conn, schema: str) -> dict[str, int | None]:
@@ -1251,7 +1253,7 @@ def test_batch_refusal_changes_nothing(queue: Queue, admin: Conn) -> None:
     assert _rows(admin, queue.schema) == {}
 
 
-# -- 0009: batches leave a slot for the channels with a policy they pass ------------------
+# -- Batches leave a slot for the channels with a policy they pass ------------------------
 
 
 def test_batches_serve_a_due_channel_with_a_policy(queue: Queue) -> None:

@@ -1,15 +1,14 @@
 """A message you hold is found by its primary key, whatever the planner's statistics say.
 
-Finishing, failing, deferring and heartbeating a held message (one or many) look it up by id
-and check that the caller's attempt still holds it. The statistics of ``message`` are taken
-while nothing is locked (as after any quiet moment, or on a server whose autovacuum is off),
-then thousands of messages are locked: the partial index of locked messages,
-``message_unlock_ix``, now looks empty to the planner while it holds an entry per locked
-message. Before migration 0018 the planner answered these lookups by scanning that index
-whole (a hash join over all of it for a batch), so each call cost O(messages locked). The
-tests count, inside the caller's transaction, the scans of each index
-(``pg_stat_get_xact_numscans``): the operation must probe the primary key and never touch
-``message_unlock_ix``.
+Finishing, failing, deferring and heartbeating a held message (one or many) look it up by id and
+check that the caller's attempt still holds it. The statistics of ``message`` are taken while
+nothing is locked (as after any quiet moment, or on a server whose autovacuum is off), then
+thousands of messages are locked: the partial index of locked messages, ``message_unlock_ix``,
+now looks empty to the planner while it holds an entry per locked message. Left to those
+statistics, the planner would answer these lookups by scanning that index whole (a hash join
+over all of it for a batch), so each call would cost O(messages locked). The tests count, inside
+the caller's transaction, the scans of each index (``pg_stat_get_xact_numscans``): the operation
+must probe the primary key and never touch ``message_unlock_ix``.
 """
 
 from __future__ import annotations

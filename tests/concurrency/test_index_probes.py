@@ -348,7 +348,7 @@ def _sorts_a_cte(node: dict[str, Any]) -> bool:
 
 def _reprobes_an_array(node: dict[str, Any]) -> bool:
     """A join whose inner side probes a table for every id of an array (``= ANY``) once per
-    outer row, filtering the pairs after: n * n index entries for n ids (0038)."""
+    outer row, filtering the pairs after: n * n index entries for n ids."""
     if node["Node Type"] != "Nested Loop" or len(node.get("Plans", ())) != 2:
         return False
     inner = node["Plans"][1]
@@ -682,7 +682,7 @@ HEAD_PROBE = re.compile(
 def test_every_function_probing_for_heads_plans_no_bitmap(
     queue: Queue, admin: psycopg.Connection[Any], dsn: str
 ) -> None:
-    """0023: the planner, expecting a row or two from old statistics, may read all of a
+    """The planner, expecting a row or two from old statistics, may read all of a
     channel's entries through a bitmap and sort them; every function that looks for heads
     runs with bitmap scans off, and the setting is gone once it returns."""
     rows = admin.execute(
@@ -693,7 +693,7 @@ def test_every_function_probing_for_heads_plans_no_bitmap(
     probing = {
         name for name, _, source in rows if HEAD_PROBE.search(re.sub(r"--[^\n]*", "", source or ""))
     }
-    # SKIP LOCKED on rows found by primary key only (0029), no head probed.
+    # SKIP LOCKED on rows found by primary key only, no head probed.
     probing -= {"message_heartbeat_many"}
     assert {"message_take_one", "message_dequeue_loop", "channel_rotate"} <= probing
     off = {name for name, config, _ in rows if "enable_bitmapscan=off" in (config or [])}
@@ -709,7 +709,7 @@ def test_every_function_probing_for_heads_plans_no_bitmap(
         assert conn.execute("SHOW enable_bitmapscan").fetchone() == ("on",)
 
 
-# Every function of the schema runs with enable_seqscan off (0037) but these, each for its
+# Every function of the schema runs with enable_seqscan off but these, each for its
 # reason. A new function fails the test below until it is given the setting or a place here.
 SEQSCAN_ALLOWED = {
     # No table of their own: checks, wrappers of functions that have the setting, arithmetic.
@@ -807,7 +807,7 @@ def test_keyed_lookups_stay_index_probes_on_a_tiny_table(
 
 def _rescans_an_array(node: dict[str, Any]) -> bool:
     """A sub-select run once per outer row (a correlated SubPlan, not hashed) that reads a
-    function's rows (an array unnested) each time: n * m for arrays of n and m (0039)."""
+    function's rows (an array unnested) each time: n * m for arrays of n and m."""
     return (
         node.get("Parent Relationship") == "SubPlan"
         and not str(node.get("Subplan Name", "")).startswith("hashed")
@@ -824,10 +824,10 @@ RIDE_MANY = "unnest(v_ride) WITH ORDINALITY AS f(name, ord) CROSS JOIN LATERAL"
 def test_a_batch_riding_along_on_many_channels_counts_each_once(
     queue: Queue, admin: psycopg.Connection[Any], dsn: str
 ) -> None:
-    """0039: a batch riding along on busy channels (their rows held by another dequeue) counted
-    what each channel gave by reading the whole batch once per channel. No statement of such a
-    take reads an array once per row of another, in custom or generic plans, and the take
-    returns what it should: every channel's first head, then their seconds."""
+    """A batch riding along on busy channels (their rows held by another dequeue) once counted
+    (an earlier design) what each channel gave by reading the whole batch once per channel. No
+    statement of such a take reads an array once per row of another, in custom or generic plans,
+    and the take returns what it should: every channel's first head, then their seconds."""
     admin.execute(_schema_sql("SET search_path = {}", queue.schema))
     with admin.transaction():
         admin.execute(_insert(f"'r' || (g % {RIDE_CHANNELS})", count=2 * RIDE_CHANNELS))

@@ -29,8 +29,9 @@ from lonnymq import Message, Queue
 LOCK_MS = 60_000
 BARRIER = -424_242
 
-# channel_key() as 0002 defines it, plus: in a session with lonnymq_test.pause on, the second
-# call of a transaction first waits for the barrier (the test holds it).
+# channel_key() as sql/schema/20_channel.sql defines it, plus: in a session with
+# lonnymq_test.pause on, the second call of a transaction first waits for the barrier (the test
+# holds it).
 PAUSING_CHANNEL_KEY = """
 CREATE OR REPLACE FUNCTION {s}.channel_key(p_channel TEXT) RETURNS BIGINT
 LANGUAGE plpgsql VOLATILE

@@ -1,6 +1,7 @@
-"""The commit of a Spark write (spark_write_commit, migration 0008), called directly: rows of
-policy-free channels without dedup keys are promoted by one INSERT … SELECT, the others through
-message_create_many, and the outcome is the one message_create_many alone gives."""
+"""The commit of a Spark write (spark_write_commit, in sql/schema/80_spark.sql), called
+directly: rows of policy-free channels without dedup keys are promoted by one INSERT … SELECT,
+the others through message_create_many, and the outcome is the one message_create_many alone
+gives."""
 
 from __future__ import annotations
 
@@ -202,8 +203,8 @@ def test_mixed_write_matches_message_create_many(
     tags = _stage(admin, fast.schema, "w", MIXED)
     result = _commit(admin, fast.schema, "w", tags)
 
-    # The reference: message_create_many on the same rows in the order 0004 passed them
-    # (channel, task, seq).
+    # The reference: message_create_many on the same rows in the order spark_write_commit
+    # passes them to it (channel, task, seq).
     ordered = sorted(
         ((tag, seq, row) for seq, (tag, *row) in enumerate(MIXED)),
         key=lambda t: (t[2][0] is None, t[2][0] or "", t[0], t[1]),

@@ -165,9 +165,9 @@ def test_the_known_options_named_in_an_error_are_the_documented_ones() -> None:
 def test_a_bad_stream_write_option_fails_at_the_first_micro_batch(
     spark: SparkSession, queue: Queue, options: dict[str, Any], tmp_path: Path
 ) -> None:
-    # As the README says: start() takes it (Spark calls the sink's code only to plan a
-    # micro-batch), the source has planned the batch by then, and a restart from the
-    # checkpoint with the option fixed replays it.
+    # As docs/spark.md says ("When options are checked"): start() takes it (Spark calls the
+    # sink's code only to plan a micro-batch), the source has planned the batch by then, and a
+    # restart from the checkpoint with the option fixed replays it.
     queue.create_many(NewMessage(f"m{i}".encode(), channel="in") for i in range(5))
 
     def start(**sink: str) -> Any:

@@ -321,7 +321,8 @@ def test_a_consumer_belongs_to_the_checkpoint_that_last_took_it_over(
 
 
 def test_a_checkpoint_from_before_owners_keeps_its_consumer(queue: Queue, admin: Conn) -> None:
-    # Offsets written before migration 0032 name no owner: the first claim records it as such.
+    # Offsets from a checkpoint of an earlier design, which recorded no owner, name none:
+    # the first claim records it as such.
     def claim(step: str, batch: int, end: int | None = None) -> None:
         params = {"consumer": "old", "owner": None, "step": step, "batch": batch, "end": end}
         _call(admin, queue.schema, "spark_consumer_claim", params)

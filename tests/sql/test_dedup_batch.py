@@ -358,7 +358,7 @@ def test_defer_many_takes_no_transaction_id_per_message(queue: Queue, dsn: str) 
     assert statuses == [AckStatus.OK] * 300 + [AckStatus.STALE]
     assert first is not None
     assert after is not None
-    # One id for the batch's transaction (the loop of 0001 took one more per message).
+    # One id for the batch's transaction (an earlier per-message loop took one more per message).
     assert after[0] - first[0] < 50
     stats = {s.channel: s for s in queue.stats()}
     assert (stats["p"].size, stats["p"].in_flight) == (100, 0)

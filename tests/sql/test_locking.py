@@ -98,8 +98,9 @@ def test_heartbeat_lock_expires_in_turn(queue: Queue) -> None:
 
 
 def test_a_heartbeat_late_in_a_transaction_counts_from_when_it_runs(queue: Queue, dsn: str) -> None:
-    # The README suggests heartbeating in your own transaction, last, before commit: the lock
-    # must then run lock_ms from that moment, not from when the transaction began.
+    # docs/guide/transactions.md suggests heartbeating in your own transaction, last, before
+    # commit: the lock must then run lock_ms from that moment, not from when the transaction
+    # began.
     for name in ("a", "b"):
         queue.create(b"x", channel=name)
     held = queue.dequeue_many(2, lock_ms=LOCK_MS)

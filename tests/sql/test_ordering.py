@@ -177,8 +177,9 @@ def test_round_robin_across_channels(queue: Queue) -> None:
 
 @pytest.mark.parametrize("plans", ["custom", "generic"])
 def test_round_robin_within_one_dequeue_many_batch(queue: Queue, dsn: str, plans: str) -> None:
-    """Also with the generic plans a session caches after five calls (0038 takes the heads
-    by id and puts them back in turn by their places)."""
+    """Also with the generic plans a session caches after five calls (message_dequeue_loop, in
+    sql/schema/40_take.sql, takes the heads by id and puts them back in turn by their
+    places)."""
     _round_robin_fixture(queue)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"SET plan_cache_mode = force_{plans}_plan")

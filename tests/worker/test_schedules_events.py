@@ -367,7 +367,7 @@ def test_a_firing_into_a_full_channel_waits_for_room(make_queue: Callable[..., Q
 def test_a_schedule_declared_in_a_full_schedules_channel_is_refused_by_its_policy(
     queue: Queue,
 ) -> None:
-    """0040: a max_size on the schedules' channel that leaves no room for a new schedule is a
+    """A max_size on the schedules' channel that leaves no room for a new schedule is a
     policy refusal (InvalidPolicyError, naming it), not a conflict to run again; nothing is
     changed."""
     queue.schedule("kept", cron="0 * * * *", content=b"k")
@@ -382,8 +382,9 @@ def test_a_schedule_declared_in_a_full_schedules_channel_is_refused_by_its_polic
 def test_two_transactions_declaring_schedules_queue_up_instead_of_deadlocking(
     queue: Queue, dsn: str
 ) -> None:
-    """0040: a transaction declaring s1 then s2 beside another declaring s1: the second waited
-    for s1's key holding the schedules channel's row, which the first then needed for s2."""
+    """A transaction declaring s1 then s2 beside another declaring s1: they queue up (in an
+    earlier design the second waited for s1's key holding the schedules channel's row, which
+    the first then needed for s2: a deadlock)."""
     far = 10**14
     search_path = sql.SQL("SET search_path = {}").format(sql.Identifier(queue.schema))
     with psycopg.connect(dsn, autocommit=True) as admin:
@@ -445,7 +446,7 @@ def _waiting_for_a_lock(dsn: str, *patterns: str) -> None:
 def test_a_policy_then_a_schedule_in_one_transaction_beside_a_declaration(
     queue: Queue, dsn: str
 ) -> None:
-    """0040: a transaction setting the schedules channel's policy (its lock, exclusive) and then
+    """A transaction setting the schedules channel's policy (its lock, exclusive) and then
     declaring, beside another declaration: the other waits for the policy before the
     declarations' own lock, not while holding it."""
     search_path = sql.SQL("SET search_path = {}").format(sql.Identifier(queue.schema))
@@ -475,7 +476,8 @@ def test_a_policy_then_a_schedule_in_one_transaction_beside_a_declaration(
 
 
 def test_a_removal_then_a_declaration_beside_two_declarations(queue: Queue, dsn: str) -> None:
-    """0040: schedule_remove takes the declarations' lock too (it locks a driver's row)."""
+    """schedule_remove (sql/schema/70_schedule.sql) takes the declarations' lock too (it locks a
+    driver's row)."""
     search_path = sql.SQL("SET search_path = {}").format(sql.Identifier(queue.schema))
     far = 10**14
     with psycopg.connect(dsn, autocommit=True) as admin:
