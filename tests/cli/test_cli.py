@@ -325,6 +325,12 @@ def _contents(dsn: str, schema: str) -> list[bytes]:
     return [bytes(r[0]) for r in rows]
 
 
+def _any_message(dsn: str, schema: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(f'SELECT EXISTS (SELECT FROM "{schema}".message)').fetchone()
+    return bool(row and row[0])
+
+
 def test_create_from_stdin_creates_lines_as_they_come(dsn: str, schema_name: str) -> None:
     """A producer that writes a line and keeps its output open gets that line created at once,
     not at the end of its input."""
@@ -470,7 +476,11 @@ def test_create_interrupted_says_exactly_how_many_were_committed(
     dsn: str, schema_name: str, tmp_path: Path
 ) -> None:
     """SIGTERM at random moments of a long create: the count on stderr is what the table
-    holds. (It could miss a batch committed just before the signal: 11 of 25 runs did.)"""
+    holds. (It could miss a batch committed just before the signal: 11 of 25 runs did.)
+
+    The signal goes once the create has committed its first messages, at a random moment
+    after: earlier, a loaded machine may still be starting Python, before the command has a
+    handler for it, and the signal's default action kills it (that is not a create's moment)."""
     assert _run_in(dsn, schema_name, "install").returncode == 0
     source = tmp_path / "lines.txt"
     source.write_bytes(b"".join(b"m%d\n" % i for i in range(300_000)))
@@ -487,7 +497,11 @@ def test_create_interrupted_says_exactly_how_many_were_committed(
                 env={**os.environ, "LONNYMQ_DSN": dsn},
             )
             try:
-                time.sleep(1.5 + rng.random())
+                deadline = time.monotonic() + 120
+                while proc.poll() is None and not _any_message(dsn, schema_name):
+                    assert time.monotonic() < deadline, "the create committed nothing"
+                    time.sleep(0.02)
+                time.sleep(rng.random() * 1.5)
                 proc.send_signal(signal.SIGTERM)
                 _, err = proc.communicate(timeout=60)
             finally:
