@@ -331,6 +331,23 @@ def _any_message(dsn: str, schema: str) -> bool:
     return bool(row and row[0])
 
 
+def _waits_for_message_table(dsn: str, schema: str) -> bool:
+    """Whether a session waits for a lock on ``schema``'s message table."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND relation = %s::regclass)",
+            [f'"{schema}".message'],
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def _wait_for(check: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_create_from_stdin_creates_lines_as_they_come(dsn: str, schema_name: str) -> None:
     """A producer that writes a line and keeps its output open gets that line created at once,
     not at the end of its input."""
@@ -497,10 +514,11 @@ def test_create_interrupted_says_exactly_how_many_were_committed(
                 env={**os.environ, "LONNYMQ_DSN": dsn},
             )
             try:
-                deadline = time.monotonic() + 120
-                while proc.poll() is None and not _any_message(dsn, schema_name):
-                    assert time.monotonic() < deadline, "the create committed nothing"
-                    time.sleep(0.02)
+
+                def started(p: subprocess.Popen[bytes] = proc) -> bool:
+                    return p.poll() is not None or _any_message(dsn, schema_name)
+
+                _wait_for(started, "the create's first messages")
                 time.sleep(rng.random() * 1.5)
                 proc.send_signal(signal.SIGTERM)
                 _, err = proc.communicate(timeout=60)
@@ -540,11 +558,11 @@ def _signal_during_a_batch(
         with psycopg.connect(dsn) as locker:
             proc.stdin.write(b"first\n")
             proc.stdin.flush()
-            time.sleep(2)  # created
+            _wait_for(lambda: _any_message(dsn, schema), "the first line created")
             locker.execute(f'LOCK TABLE "{schema}".message IN ACCESS EXCLUSIVE MODE')
             proc.stdin.write(b"x\ny\n")
             proc.stdin.flush()
-            time.sleep(1.5)  # sent, waiting for the lock
+            _wait_for(lambda: _waits_for_message_table(dsn, schema), "the batch sent, waiting")
             proc.send_signal(sig)
             time.sleep(0.3)
             locker.rollback()
