@@ -141,3 +141,30 @@ SELECT table_name FROM {schema}.maintenance_due()
 
 -- name: maintenance_vacuumed
 SELECT {schema}.maintenance_vacuumed(p_table_name => %(table_name)s::text)
+
+-- name: dashboard_overview
+SELECT now_ms, waiting, due, scheduled, locked, lag_ms, finished_total, failed_recent, archive
+FROM {schema}.dashboard_overview(p_window_ms => %(window_ms)s::bigint)
+
+-- name: dashboard_channels
+SELECT channel, size, size_exact, in_flight, next_dequeue_at, has_policy, max_concurrency,
+       release_interval_ms, max_size
+FROM {schema}.dashboard_channels(
+    p_sort => %(sort)s::text,
+    p_after_name => %(after_name)s::text,
+    p_after_due => %(after_due)s::bigint,
+    p_search => %(search)s::text,
+    p_limit => %(limit)s::integer,
+    p_count_cap => %(count_cap)s::bigint,
+    p_only => %(only)s::text)
+
+-- name: dashboard_channel_messages
+SELECT id, num_attempts, dequeue_at, unlock_at, created_at, content_preview, content_length,
+       state_preview, state_length, dedup_key
+FROM {schema}.dashboard_channel_messages(
+    p_channel => %(channel)s::text,
+    p_locked => %(locked)s::boolean,
+    p_after_at => %(after_at)s::bigint,
+    p_after_id => %(after_id)s::bigint,
+    p_limit => %(limit)s::integer,
+    p_preview_bytes => %(preview_bytes)s::integer)
