@@ -16,6 +16,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import textwrap
 import threading
@@ -52,6 +53,7 @@ EVERYDAY = (
     "policy",
     "schedule",
     "archive",
+    "dashboard",
     "grant",
     "revoke",
     "grants",
@@ -345,6 +347,16 @@ def _parser() -> argparse.ArgumentParser:
     _option(archive_replay, "channel", "with --failed: only this channel")
     archive_replay.add_argument("--json", action="store_true", help="print JSON lines")
 
+    dashboard = command(
+        "dashboard", help="serve a web dashboard of the queue (needs the dashboard extra)"
+    )
+    _option(dashboard, "host", "interface to listen on", default="127.0.0.1")
+    _option(dashboard, "port", "port to listen on (0: any free one)", type=int, default=8700)
+    dashboard.add_argument(
+        "--read-only", action="store_true", help="show only: every action is refused"
+    )
+    _option(dashboard, "token", "require this token from every client (see the docs)")
+
     bench = command(
         "bench", help="measure lonnymq against a raw SKIP LOCKED queue (same server, one run)"
     )
@@ -539,9 +551,39 @@ def _run(args: argparse.Namespace) -> int:
         return run_demo(
             dsn=args.dsn, rows=args.rows, workers=args.workers, out=args.out, batch=args.batch
         )
+    if args.command == "dashboard":
+        return _dashboard(args)
     event_channel = getattr(args, "event_channel", None)
     with Queue(args.dsn, schema=args.schema, event_channel=event_channel) as q:
         return COMMANDS[args.command](q, args)
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .dashboard import app
+    except ImportError as err:
+        raise InvalidArgumentError(
+            f"the dashboard needs its extra: pip install 'lonnymq[dashboard]' ({err})"
+        ) from err
+    if not 0 <= args.port <= 65_535:
+        raise InvalidArgumentError(f"--port must be between 0 and 65535, got {args.port}")
+    listener = socket.create_server((args.host, args.port))
+
+    async def serve() -> None:
+        async with AsyncQueue(args.dsn, schema=args.schema) as aq:
+            await aq.now()  # the database is reachable and the schema installed
+            application = app(aq, read_only=args.read_only, token=args.token)
+            host, port = listener.getsockname()[:2]
+            shown = f"[{host}]" if ":" in host else host
+            print(f"lonnymq dashboard on http://{shown}:{port}/", flush=True)
+            config = uvicorn.Config(application, log_level="warning", lifespan="off")
+            await uvicorn.Server(config).serve(sockets=[listener])
+
+    with listener:
+        asyncio.run(serve())
+    return 0
 
 
 def _install(q: Queue, args: argparse.Namespace) -> int:

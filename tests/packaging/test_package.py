@@ -86,13 +86,18 @@ def test_the_wheel_installs_and_its_command_works_from_anywhere(
     (sdist,) = dist.glob("lonnymq-*.tar.gz")
     timings["build"] = time.monotonic() - started
 
-    # Every .sql file of the package's source and its py.typed are in both.
+    # Every .sql file of the package's source, its py.typed and the dashboard's templates and
+    # static files are in both.
+    dashboard = ("src/lonnymq/dashboard/templates/", "src/lonnymq/dashboard/static/")
     package_data = sorted(
         name.removeprefix("src/")
         for name in files
-        if name.startswith("src/lonnymq/") and name.endswith((".sql", "py.typed"))
+        if name.startswith("src/lonnymq/")
+        and (name.endswith((".sql", "py.typed")) or name.startswith(dashboard))
     )
     assert "lonnymq/py.typed" in package_data
+    assert "lonnymq/dashboard/static/htmx.min.js" in package_data
+    assert "lonnymq/dashboard/templates/overview.html" in package_data
     assert sum(name.endswith(".sql") for name in package_data) >= 3
     with zipfile.ZipFile(wheel) as archive:
         in_wheel = set(archive.namelist())

@@ -1,0 +1,569 @@
+"""The dashboard's ASGI application: pages rendered on the server (Jinja2, every value
+escaped), refreshed in place by htmx, which is served from the package (nothing is fetched
+from the internet)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qs, quote
+
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.datastructures import URL
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..errors import InvalidArgumentError, LonnyMQError, PermissionDeniedError
+from ..queue_async import AsyncQueue
+
+PAGE_SIZE = 50
+# A channel without a policy keeps no counter: its waiting messages are counted, up to this.
+COUNT_CAP = 10_000
+PREVIEW_BYTES = 200
+# Failures are counted over this window of the archive (the failure rate is its count / it).
+FAILED_WINDOW_MS = 10_000
+# The overview samples the queue at most this often, whoever asks, and keeps this many samples;
+# a reading that takes long (counting 10^6 waiting messages) is taken less often, so that the
+# dashboard spends at most about 1/SAMPLE_COST_SHARE of its time reading.
+SAMPLE_EVERY_S = 1.0
+SAMPLE_COST_SHARE = 10
+SAMPLES_KEPT = 300
+# Finish rates are taken over about this span of samples: PostgreSQL publishes a backend's
+# row counts at most about once a second, so a rate over one second would jump.
+RATE_SPAN_MS = 5_000
+TOKEN_COOKIE = "lonnymq_dashboard_token"
+# What an action's confirmation form stays good for.
+CONFIRM_TTL_S = 600
+# The actions on a channel, and what each asks before it runs.
+ACTIONS = {
+    "pause": "Pause channel {name}: no message of it is taken until it is resumed (its "
+    "max_concurrency becomes 0; its other limits stay).",
+    "resume": "Resume channel {name}: its messages are taken again, with no concurrency limit "
+    "(its other limits stay).",
+    "set": "Set the policy of channel {name} to: {policy}. Limits left empty are removed.",
+    "clear": "Remove the policy of channel {name}: no limit from now on.",
+}
+POLICY_FIELDS = ("max_concurrency", "release_interval_ms", "max_size")
+log = logging.getLogger("lonnymq.dashboard")
+SORTS = ("name", "-name", "due")
+HEADERS = {
+    # Scripts and styles from the dashboard only: an injected tag would not run.
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; "
+    "img-src 'self' data:; frame-ancestors 'none'; form-action 'self'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading of ``dashboard_overview``."""
+
+    at_ms: int
+    waiting: int
+    due: int
+    scheduled: int
+    locked: int
+    lag_ms: int | None
+    finished_total: int
+    failed_recent: int
+    archive: bool
+
+
+class Sampler:
+    """The overview's readings, taken at most every ``SAMPLE_EVERY_S`` (so many open pages
+    cost the database one reading; a slow reading is taken less often), kept in a ring in
+    memory: the rates are the counters' growth between readings, so nothing is written per
+    message to get them."""
+
+    def __init__(self, queue: AsyncQueue) -> None:
+        self._queue = queue
+        self._samples: deque[Sample] = deque(maxlen=SAMPLES_KEPT)
+        self._next = 0.0
+        self._lock = asyncio.Lock()
+
+    async def latest(self) -> Sample:
+        async with self._lock:
+            if not self._samples or time.monotonic() >= self._next:
+                started = time.monotonic()
+                rows = await self._queue._fetch(
+                    "dashboard_overview", {"window_ms": FAILED_WINDOW_MS}, None
+                )
+                self._samples.append(Sample(*rows[0]))
+                took = time.monotonic() - started
+                self._next = started + max(SAMPLE_EVERY_S, took * SAMPLE_COST_SHARE)
+            return self._samples[-1]
+
+    def rates(self) -> list[tuple[int, float, float]]:
+        """(time, finished per second, failed per second) at each reading that has one
+        about ``RATE_SPAN_MS`` before it."""
+        samples = list(self._samples)
+        out: list[tuple[int, float, float]] = []
+        start = 0
+        for sample in samples[1:]:
+            while samples[start + 1].at_ms <= sample.at_ms - RATE_SPAN_MS:
+                start += 1
+            first = samples[start]
+            if first is sample or sample.at_ms <= first.at_ms:
+                continue
+            seconds = (sample.at_ms - first.at_ms) / 1000
+            # A statistics reset makes the counter go back: no rate across it.
+            finished = max(0, sample.finished_total - first.finished_total) / seconds
+            out.append((sample.at_ms, finished, sample.failed_recent * 1000 / FAILED_WINDOW_MS))
+        return out
+
+
+def shown(value: str) -> str:
+    """``value`` with what would not show as itself (control and format characters, such as
+    a right-to-left override) written as escapes; HTML escaping is still the template's."""
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in value)
+
+
+def preview(data: bytes | None, length: int | None) -> str:
+    """A safe one-line view of a payload: its text when it is UTF-8, else its bytes in hex."""
+    if data is None:
+        return "-"
+    more = "…" if length is not None and length > len(data) else ""
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        return f"({length} bytes) {bytes(data)[:64].hex(' ')}{'…' if len(data) > 64 else more}"
+    return shown(text) + more
+
+
+def when(ms: int | None, now_ms: int | None = None) -> str:
+    """A time in ms since the epoch, in UTC, and how far it is from now."""
+    if ms is None:
+        return "-"
+    stamp = datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    if now_ms is None:
+        return stamp
+    return f"{stamp} ({duration(ms - now_ms, signed=True)})"
+
+
+def duration(ms: int | None, *, signed: bool = False) -> str:
+    """A span of ms for people: 850 ms, 12.5 s, 3 min, 2.1 h, 4 d."""
+    if ms is None:
+        return "-"
+    sign = ("in " if ms > 0 else "") if signed else ""
+    suffix = " ago" if signed and ms < 0 else ""
+    ms = abs(ms)
+    if ms < 1000:
+        text = f"{ms} ms"
+    elif ms < 60_000:
+        text = f"{ms / 1000:.1f} s"
+    elif ms < 3_600_000:
+        text = f"{ms / 60_000:.1f} min"
+    elif ms < 86_400_000:
+        text = f"{ms / 3_600_000:.1f} h"
+    else:
+        text = f"{ms / 86_400_000:.1f} d"
+    return f"{sign}{text}{suffix}"
+
+
+def chart_points(
+    rates: Sequence[tuple[int, float, float]], width: int, height: int
+) -> dict[str, Any]:
+    """SVG polyline points for the finish and failure rates over the kept span."""
+    if not rates:
+        return {"finished": "", "failed": "", "top": 0.0}
+    first, last = rates[0][0], rates[-1][0]
+    span = max(last - first, 1)
+    top = max(*(r[1] for r in rates), *(r[2] for r in rates), 1.0)
+
+    def line(index: int) -> str:
+        return " ".join(
+            f"{(r[0] - first) * width / span:.1f},{height - r[index] * height / top:.1f}"
+            for r in rates
+        )
+
+    return {"finished": line(1), "failed": line(2), "top": top}
+
+
+class TokenGate:
+    """Lets a request through when it carries the token: as ``Authorization: Bearer``, as the
+    cookie set when a page was opened with ``?token=``, or as that query parameter (which
+    then redirects to the same page without it, so the token leaves the address bar)."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self._app = app
+        self._token = token.encode()
+
+    def _good(self, candidate: str | None) -> bool:
+        return candidate is not None and hmac.compare_digest(candidate.encode(), self._token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        request = Request(scope)
+        bearer = request.headers.get("authorization", "")
+        if self._good(bearer.removeprefix("Bearer ")) if bearer.startswith("Bearer ") else False:
+            await self._app(scope, receive, send)
+            return
+        if self._good(request.cookies.get(TOKEN_COOKIE)):
+            await self._app(scope, receive, send)
+            return
+        if self._good(request.query_params.get("token")):
+            response: Response = RedirectResponse(
+                str(request.url.remove_query_params("token")), status_code=303
+            )
+            response.set_cookie(
+                TOKEN_COOKIE,
+                request.query_params["token"],
+                httponly=True,
+                samesite="strict",
+                path=scope.get("root_path") or "/",
+            )
+            await response(scope, receive, send)
+            return
+        response = PlainTextResponse(
+            "This dashboard needs its token: open it with ?token=... once, or send "
+            "Authorization: Bearer ...",
+            status_code=401,
+        )
+        await response(scope, receive, send)
+
+
+def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None) -> ASGIApp:
+    """The dashboard of ``queue`` as an ASGI application, to serve alone (``lonnymq
+    dashboard``) or to mount in your own (``Mount("/queue", app=dashboard.app(queue))``).
+    ``token``: every request must carry it (see the docs). ``read_only``: the dashboard only
+    shows. The queue must be open for as long as the application serves."""
+    if not isinstance(queue, AsyncQueue):
+        raise InvalidArgumentError(f"queue must be an AsyncQueue, got {type(queue).__name__}")
+    if token is not None and (not isinstance(token, str) or not token):
+        raise InvalidArgumentError("token must be a non-empty string, or None for no token")
+    env = Environment(
+        loader=PackageLoader("lonnymq.dashboard", "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+    )
+    env.filters.update(shown=shown, duration=duration, preview=preview, when=when)
+    sampler = Sampler(queue)
+    # The channel sizes each page last showed, for the net rate the next refresh shows.
+    seen: dict[str, tuple[int, int]] = {}
+
+    def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+        html = env.get_template(template).render(
+            request=request,
+            url=lambda route, **query: _url(request, route, query),
+            schema=queue.schema,
+            read_only=read_only,
+            **context,
+        )
+        return HTMLResponse(html, status_code=status, headers=HEADERS)
+
+    async def overview(request: Request) -> Response:
+        sample = await sampler.latest()
+        return render(request, "overview.html", **_overview_context(sampler, sample))
+
+    async def overview_live(request: Request) -> Response:
+        sample = await sampler.latest()
+        return render(request, "_overview_live.html", **_overview_context(sampler, sample))
+
+    async def channels(request: Request) -> Response:
+        query = request.query_params
+        sort = query.get("sort", "name")
+        if sort not in SORTS:
+            return render(request, "error.html", 400, message=f"unknown sort {sort!r}")
+        search = query.get("q") or None
+        after_name = query.get("after") or None
+        after_due = _int(query.get("after_due"))
+        rows = await queue._fetch(
+            "dashboard_channels",
+            {
+                "sort": sort,
+                "after_name": after_name,
+                "after_due": after_due,
+                "search": search,
+                "limit": PAGE_SIZE + 1,
+                "count_cap": COUNT_CAP,
+                "only": None,
+            },
+            None,
+        )
+        page = [_channel_row(row) for row in rows[:PAGE_SIZE]]
+        now_ms = (await sampler.latest()).at_ms
+        _net_rates(page, seen, now_ms)
+        following = None
+        if len(rows) > PAGE_SIZE:
+            last = page[-1]
+            following = {"sort": sort, "q": search or "", "after": last["channel"]}
+            if sort == "due":
+                following["after_due"] = str(last["next_dequeue_at"])
+        return render(
+            request,
+            "channels.html",
+            channels=page,
+            sort=sort,
+            search=search or "",
+            paged=after_name is not None,
+            following=following,
+            now_ms=now_ms,
+        )
+
+    async def channel(request: Request) -> Response:
+        name = request.query_params.get("name", "")
+        view = request.query_params.get("view", "waiting")
+        if view not in ("waiting", "locked"):
+            return render(request, "error.html", 400, message=f"unknown view {view!r}")
+        try:
+            rows = await queue._fetch("dashboard_channels", _only(name), None)
+            messages = await queue._fetch(
+                "dashboard_channel_messages",
+                {
+                    "channel": name,
+                    "locked": view == "locked",
+                    "after_at": _int(request.query_params.get("after_at")),
+                    "after_id": _int(request.query_params.get("after_id")),
+                    "limit": PAGE_SIZE + 1,
+                    "preview_bytes": PREVIEW_BYTES,
+                },
+                None,
+            )
+        except InvalidArgumentError as err:
+            return render(request, "error.html", 400, message=str(err))
+        info = _channel_row(rows[0]) if rows else None
+        listed = [_message_row(row) for row in messages[:PAGE_SIZE]]
+        following = None
+        if len(messages) > PAGE_SIZE:
+            last = listed[-1]
+            at = last["unlock_at"] if view == "locked" else last["dequeue_at"]
+            following = {"name": name, "view": view, "after_at": at, "after_id": last["id"]}
+        return render(
+            request,
+            "channel.html",
+            name=name,
+            info=info,
+            view=view,
+            messages=listed,
+            following=following,
+            now_ms=(await sampler.latest()).at_ms,
+            done=request.query_params.get("done"),
+        )
+
+    secret = secrets.token_bytes(32)
+
+    def signature(fields: dict[str, str]) -> str:
+        text = "\0".join(
+            f"{k}={fields.get(k, '')}" for k in ("action", "name", "expires", *POLICY_FIELDS)
+        )
+        return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+
+    def refused(request: Request, why: str, status: int, fields: dict[str, str]) -> Response:
+        log.warning(
+            "dashboard refused %s on channel %r from %s: %s",
+            fields.get("action"),
+            fields.get("name"),
+            request.client.host if request.client else "?",
+            why,
+        )
+        return render(request, "error.html", status, message=f"Refused: {why}")
+
+    async def confirm(request: Request) -> Response:
+        fields = {
+            k: v for k, v in request.query_params.items() if k in ("action", "name", *POLICY_FIELDS)
+        }
+        if read_only:
+            return refused(request, "this dashboard is read-only", 403, fields)
+        try:
+            action, name, policy = _action(fields)
+        except InvalidArgumentError as err:
+            return render(request, "error.html", 400, message=str(err))
+        form = {"action": action, "name": name, "expires": str(int(time.time()) + CONFIRM_TTL_S)}
+        form.update({k: "" if v is None else str(v) for k, v in policy.items()})
+        form["csrf"] = signature(form)
+        question = ACTIONS[action].format(name=shown(name), policy=_policy_text(policy))
+        return render(request, "confirm.html", question=question, form=form, name=name)
+
+    async def act(request: Request) -> Response:
+        parsed = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
+        fields = {k: v[0] for k, v in parsed.items() if len(v) == 1}
+        if read_only:
+            return refused(request, "this dashboard is read-only", 403, fields)
+        # A browser names where a request comes from; another site's form is refused.
+        site = request.headers.get("sec-fetch-site")
+        if site is not None and site not in ("same-origin", "none"):
+            return refused(request, f"a request from another site ({site})", 403, fields)
+        good = hmac.compare_digest(fields.get("csrf", ""), signature(fields))
+        if not good or int(fields.get("expires") or 0) < time.time():
+            return refused(
+                request, "the confirmation is not valid (expired or forged)", 403, fields
+            )
+        try:
+            action, name, policy = _action(fields)
+            channel = queue.channel(name)
+            if action == "clear":
+                await channel.clear_policy()
+            elif action == "set":
+                await channel.set_policy(
+                    max_concurrency=policy["max_concurrency"],
+                    release_interval_ms=policy["release_interval_ms"],
+                    max_size=policy["max_size"],
+                )
+            else:
+                rows = await queue._fetch("dashboard_channels", _only(name), None)
+                kept = _channel_row(rows[0]) if rows else {}
+                interval, size = kept.get("release_interval_ms"), kept.get("max_size")
+                if action == "pause":
+                    await channel.set_policy(
+                        max_concurrency=0, release_interval_ms=interval, max_size=size
+                    )
+                elif interval is not None or size is not None:
+                    await channel.set_policy(release_interval_ms=interval, max_size=size)
+                else:
+                    await channel.clear_policy()
+        except PermissionDeniedError as err:
+            return refused(request, f"the database role may not do this ({err})", 403, fields)
+        except InvalidArgumentError as err:
+            return render(request, "error.html", 400, message=str(err))
+        log.info(
+            "dashboard %s on channel %r (%s) from %s",
+            action,
+            name,
+            _policy_text(policy) if action == "set" else "-",
+            request.client.host if request.client else "?",
+        )
+        return RedirectResponse(_url(request, "channel", {"name": name, "done": action}), 303)
+
+    routes = [
+        Route("/", overview, name="overview"),
+        Route("/channel/action", confirm, name="confirm"),
+        Route("/channel/action", act, methods=["POST"], name="act"),
+        Route("/live/overview", overview_live, name="overview_live"),
+        Route("/channels", channels, name="channels"),
+        Route("/channel", channel, name="channel"),
+        Mount(
+            "/static",
+            app=StaticFiles(packages=[("lonnymq.dashboard", "static")]),
+            name="static",
+        ),
+    ]
+
+    async def failed(request: Request, err: Exception) -> Response:
+        return render(request, "error.html", 500, message=f"{type(err).__name__}: {err}")
+
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        LonnyMQError: failed
+    }
+    built: ASGIApp = Starlette(routes=routes, exception_handlers=handlers)
+    if token is not None:
+        built = TokenGate(built, token)
+    return built
+
+
+def _url(request: Request, route: str, query: dict[str, Any]) -> str:
+    """The path of ``route`` (under the mount point), with ``query`` (values percent-encoded,
+    empty ones left out)."""
+    url = URL(request.url_for(route).path)
+    kept = {k: str(v) for k, v in query.items() if v is not None and v != ""}
+    if kept:
+        url = url.replace(
+            query="&".join(f"{quote(k)}={quote(v, safe='')}" for k, v in kept.items())
+        )
+    return str(url)
+
+
+def _only(name: str) -> dict[str, Any]:
+    """``dashboard_channels``' parameters for one channel."""
+    return {
+        "sort": "name",
+        "after_name": None,
+        "after_due": None,
+        "search": None,
+        "limit": 1,
+        "count_cap": COUNT_CAP,
+        "only": name,
+    }
+
+
+def _action(fields: dict[str, str]) -> tuple[str, str, dict[str, int | None]]:
+    """The action, channel and policy a form names, checked."""
+    action = fields.get("action", "")
+    if action not in ACTIONS:
+        raise InvalidArgumentError(f"unknown action {action[:40]!r}")
+    name = fields.get("name", "")
+    if not 1 <= len(name) <= 255:
+        raise InvalidArgumentError(f"channel name must be 1 to 255 characters, got {len(name)}")
+    policy: dict[str, int | None] = {}
+    if action == "set":
+        for field in POLICY_FIELDS:
+            value = _int(fields.get(field))
+            if value is not None and value < 0:
+                raise InvalidArgumentError(f"{field} must be 0 or more, got {value}")
+            policy[field] = value
+    return action, name, policy
+
+
+def _policy_text(policy: dict[str, int | None]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in policy.items() if v is not None) or "no limit"
+
+
+def _int(text: str | None) -> int | None:
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"not a whole number: {text[:40]!r}") from None
+
+
+def _overview_context(sampler: Sampler, sample: Sample) -> dict[str, Any]:
+    rates = sampler.rates()
+    return {
+        "sample": sample,
+        "finished_rate": rates[-1][1] if rates else None,
+        "failed_rate": rates[-1][2] if rates else None,
+        "chart": chart_points(rates, 600, 120),
+        "chart_span_s": round((rates[-1][0] - rates[0][0]) / 1000) if rates else 0,
+    }
+
+
+# The columns of dashboard_channels and dashboard_channel_messages, as the pages name them.
+CHANNEL_COLUMNS = (
+    "channel", "size", "size_exact", "in_flight", "next_dequeue_at", "has_policy",
+    "max_concurrency", "release_interval_ms", "max_size",
+)  # fmt: skip
+MESSAGE_COLUMNS = (
+    "id", "num_attempts", "dequeue_at", "unlock_at", "created_at", "content", "content_length",
+    "state", "state_length", "dedup_key",
+)  # fmt: skip
+
+
+def _channel_row(row: Sequence[Any]) -> dict[str, Any]:
+    return dict(zip(CHANNEL_COLUMNS, row, strict=True))
+
+
+def _message_row(row: Sequence[Any]) -> dict[str, Any]:
+    return dict(zip(MESSAGE_COLUMNS, row, strict=True))
+
+
+SEEN_KEPT = 10_000
+
+
+def _net_rates(page: list[dict[str, Any]], seen: dict[str, tuple[int, int]], now_ms: int) -> None:
+    """Each row's net rate: messages leaving per second (negative: the channel grows) since the
+    dashboard last showed that channel (none the first time)."""
+    for row in page:
+        before = seen.get(row["channel"])
+        row["net_rate"] = None
+        if before is not None and now_ms > before[0]:
+            row["net_rate"] = (before[1] - row["size"]) * 1000 / (now_ms - before[0])
+        if before is None or now_ms > before[0]:
+            seen[row["channel"]] = (now_ms, row["size"])
+    while len(seen) > SEEN_KEPT:
+        seen.pop(next(iter(seen)))
