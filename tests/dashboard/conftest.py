@@ -1,0 +1,121 @@
+"""The dashboard served by uvicorn on a free localhost port (in a thread of the test process,
+with its own event loop and AsyncQueue), and one headless Chromium for the test session."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette", reason="the dashboard extra is not installed")
+import uvicorn
+
+from lonnymq import AsyncQueue, Queue
+from lonnymq.dashboard import app
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+# The network is closed here: without these, Chromium waits on connections it tries itself.
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1280,900",
+)
+START_TIMEOUT_S = 30.0
+IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
+
+
+class Served:
+    """``app(queue, **options)`` served on 127.0.0.1 until ``close()``."""
+
+    def __init__(self, dsn: str, schema: str, wrap: Callable[[Any], Any] | None, **options: Any):
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self._server: uvicorn.Server | None = None
+        self._failure: BaseException | None = None
+
+        async def main() -> None:
+            async with AsyncQueue(dsn, schema=schema, pool_size=2) as queue:
+                application = app(queue, **options)
+                if wrap is not None:
+                    application = wrap(application)
+                config = uvicorn.Config(application, log_level="warning", lifespan="off")
+                self._server = uvicorn.Server(config)
+                await self._server.serve(sockets=[self._listener])
+
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            except BaseException as err:
+                self._failure = err
+
+        self._thread = threading.Thread(target=run, name="dashboard", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (self._server is not None and self._server.started):
+            assert self._thread.is_alive(), f"the dashboard did not start: {self._failure!r}"
+            assert time.monotonic() < deadline, "the dashboard did not start in time"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._thread.join(timeout=START_TIMEOUT_S)
+        self._listener.close()
+        assert not self._thread.is_alive()
+        assert self._failure is None, self._failure
+
+
+@pytest.fixture
+def serve(dsn: str, queue: Queue) -> Iterator[Callable[..., Served]]:
+    """``serve(**options)``: the dashboard of the test's queue, stopped after the test;
+    ``wrap`` builds the application served around the dashboard's (to mount it); ``as_dsn``
+    connects it as another role."""
+    started: list[Served] = []
+
+    def start(
+        *, wrap: Callable[[Any], Any] | None = None, as_dsn: str | None = None, **options: Any
+    ) -> Served:
+        served = Served(as_dsn or dsn, queue.schema, wrap, **options)
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        served.close()
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """One headless Chromium (Debian's, driven by its ChromeDriver) for the session."""
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.fail("Chromium is not installed: run scripts/browser.sh (scripts/test.sh does)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="lonnymq-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
