@@ -76,7 +76,7 @@ def test_each_action_asks_then_does_what_it_says_and_is_logged(
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "channel-name"))
     assert _policy(queue, "orders") == Policy(None, 50, None)
     browser.back()
-    browser.find_element(By.ID, "confirm").click()
+    WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "confirm"))[0].click()
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "done"))
     assert _policy(queue, "orders") == Policy(2, None, 9)
 
