@@ -68,6 +68,9 @@ def test_bad_requests_are_refused_with_a_message(
     assert "channel name must be 1 to 255 characters" in body
     status, _, body = _get(served, "/channel?name=a&view=all")
     assert status == 400
+    status, _, body = _get(served, "/channels?sort=due&after=a&after_due=soon")
+    assert status == 400
+    assert "not a whole number: &#39;soon&#39;" in body
 
 
 def test_hostile_names_and_contents_are_escaped(serve: Callable[..., Served], queue: Queue) -> None:

@@ -455,7 +455,12 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
     ]
 
     async def failed(request: Request, err: Exception) -> Response:
-        return render(request, "error.html", 500, message=f"{type(err).__name__}: {err}")
+        status = 500
+        if isinstance(err, InvalidArgumentError):
+            status = 400
+        elif isinstance(err, PermissionDeniedError):
+            status = 403
+        return render(request, "error.html", status, message=f"{type(err).__name__}: {err}")
 
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         LonnyMQError: failed
