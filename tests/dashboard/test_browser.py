@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import psycopg
@@ -86,13 +87,18 @@ def _wait_names(browser: Any, expected: list[str]) -> None:
     )
 
 
-def _screenshot(browser: Any, name: str) -> None:
-    """Write the page's screenshot into the docs' images, whole (two test runs side by side
-    each replace it, never write into it together)."""
-    IMAGES.mkdir(parents=True, exist_ok=True)
-    partial = IMAGES / f".{name}.{os.getpid()}"
-    partial.write_bytes(browser.get_screenshot_as_png())
-    os.replace(partial, IMAGES / name)
+def _screenshot(browser: Any, name: str, tmp_path: Path) -> None:
+    """Take the page's screenshot; write it into the docs' images when
+    LONNYMQ_DOCS_SCREENSHOTS=1 (whole: two test runs side by side each replace it, never
+    write into it together), otherwise under the test's own directory."""
+    png = browser.get_screenshot_as_png()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(png) > 10_000
+    target = IMAGES if os.environ.get("LONNYMQ_DOCS_SCREENSHOTS") == "1" else tmp_path
+    target.mkdir(parents=True, exist_ok=True)
+    partial = target / f".{name}.{os.getpid()}"
+    partial.write_bytes(png)
+    os.replace(partial, target / name)
 
 
 def _no_alert(browser: Any) -> None:
@@ -101,7 +107,11 @@ def _no_alert(browser: Any) -> None:
 
 
 def test_overview_numbers_move_as_messages_come_and_go(
-    browser: Any, serve: Callable[..., Served], make_queue: Callable[..., Queue], dsn: str
+    browser: Any,
+    serve: Callable[..., Served],
+    make_queue: Callable[..., Queue],
+    dsn: str,
+    tmp_path: Path,
 ) -> None:
     queue = make_queue(archive=True)
     served = serve()
@@ -134,12 +144,12 @@ def test_overview_numbers_move_as_messages_come_and_go(
     # Two failures archived in the last 10 s: 0.2 per second.
     _wait_text(browser, "failed-rate", "0.2")
     assert browser.find_elements(By.ID, "finished-line")
-    _screenshot(browser, "dashboard-overview.png")
+    _screenshot(browser, "dashboard-overview.png", tmp_path)
     _no_alert(browser)
 
 
 def test_channels_sort_page_and_search(
-    browser: Any, serve: Callable[..., Served], queue: Queue
+    browser: Any, serve: Callable[..., Served], queue: Queue, tmp_path: Path
 ) -> None:
     now = queue.now()
     # c000 .. c119; the higher the number, the earlier its message is due.
@@ -183,7 +193,7 @@ def test_channels_sort_page_and_search(
     _wait_names(browser, [])
     assert "nothing-like-it" in _text(browser, "no-channels")
     browser.get(served.url + "channels")
-    _screenshot(browser, "dashboard-channels.png")
+    _screenshot(browser, "dashboard-channels.png", tmp_path)
 
 
 def test_live_sizes_and_rates_refresh_on_the_channels_page(
