@@ -178,13 +178,16 @@ class _Load:
                 self.stop_producing.wait(0.002)
                 continue
             due = min(due, 1000)
+            # Counted before they commit, so that no handler starts one not counted yet (the
+            # backlog, created minus picked up, never goes below zero); a failed create stops
+            # the run.
+            with self.lock:
+                self.created += due
             stamp = STAMP.pack(time.time())
             self.producer_queue.create_many(
                 NewMessage(stamp, channel=names[(sent + i) % len(names)]) for i in range(due)
             )
             sent += due
-            with self.lock:
-                self.created += due
 
     def _guard(self, target: Callable[..., object], *args: object) -> Callable[[], None]:
         def run() -> None:
@@ -625,11 +628,11 @@ def _statement_deltas(
             "pages_per_call": pages / calls if calls else None,
             "ms_per_call": ms / calls if calls else None,
         }
-    top = sorted(deltas.items(), key=lambda kv: kv[1][1], reverse=True)[:6]
+    top = sorted(deltas.items(), key=lambda kv: kv[1][1], reverse=True)[:3]
     return {
         "named": named,
         "top": [
-            {"query": key[:160], "calls": c, "pages": p, "ms": round(m, 1)}
+            {"query": key[:120], "calls": c, "pages": p, "ms": round(m, 1)}
             for key, (c, p, m) in top
         ],
     }
@@ -744,6 +747,26 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def dump(report: dict[str, Any]) -> str:
+    """``report`` as JSON, floats to 3 decimals, one line per window (a 30-minute run has
+    about 190 windows)."""
+    rounded = _rounded(report)
+    windows = rounded.pop("windows")
+    head = json.dumps(rounded, indent=1)
+    lines = ",\n".join(json.dumps(w, separators=(",", ":")) for w in windows)
+    return f'{head[:-2]},\n "windows": [\n{lines}\n ]\n}}\n'
+
+
 def run_long_txn(
     dsn: str,
     settings: Settings = DEFAULT,
@@ -771,7 +794,7 @@ def run_long_txn(
     if not report["statements_measured"]:
         log("(statements not measured: the server has no pg_stat_statements with track = all)")
     log("\n" + table(report))
-    (out_dir / "long_txn.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "long_txn.json").write_text(dump(report))
     log(f"wrote {out_dir / 'long_txn.json'} ({report['seconds']:.0f}s)")
     return report
 

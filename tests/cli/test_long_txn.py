@@ -51,7 +51,8 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) ->
         "load start", "reader start", "reader end",
     ]  # fmt: skip
     assert report["capacity_per_s"] > 0
-    assert report["offered_per_s"] == pytest.approx(report["capacity_per_s"] / 2)
+    # The file keeps 3 decimals.
+    assert report["offered_per_s"] == pytest.approx(report["capacity_per_s"] / 2, abs=0.001)
 
     windows = report["windows"]
     # Every phase ran, in order, and windows are in time order.
@@ -91,7 +92,8 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) ->
         mine = [w for w in windows if (w["phase"], w["holder"]) == (phase, holder)]
         if mine:
             assert row["windows"] == len(mine)
-            assert row["seconds"] == pytest.approx(sum(w["seconds"] for w in mine))
+            total = sum(w["seconds"] for w in mine)
+            assert row["seconds"] == pytest.approx(total, abs=0.001 * len(mine))
     assert "x clean" in result.stdout
     assert "recovery/reader" in result.stdout
     # The benchmark's schemas are gone.
