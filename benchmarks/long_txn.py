@@ -1,9 +1,12 @@
-"""Dequeue throughput while another session holds a snapshot open, and after it ends: lonnymq
-against the raw SKIP LOCKED queue (the measurement is ``lonnymq.bench_long_txn``; ``lonnymq
-bench --long-txn`` runs it with the default durations).
+"""A Worker under a steady offered load while another session holds the xmin horizon back (idle
+in a transaction, then a long SELECT), and after: pickup latency, completion rate, backlog,
+dead rows, index sizes and the pages each probe of a take touches, per window (the measurement
+is ``lonnymq.bench_long_txn``; ``lonnymq bench --long-txn`` runs it with the default durations).
 
-    python benchmarks/long_txn.py [--dsn DSN] [--hold 180] [--baseline 60] [--after 60]
-                                  [--window 10] [--clients 4] [--out DIR] [--quick]
+    python benchmarks/long_txn.py [--dsn DSN] [--hold 600] [--clean 120] [--recovery 180]
+                                  [--window 10] [--rate N] [--capacity 20] [--concurrency 32]
+                                  [--handler-ms 1] [--channels 1] [--holders idle,reader]
+                                  [--schema NAME] [--out DIR] [--quick]
 """
 
 from __future__ import annotations

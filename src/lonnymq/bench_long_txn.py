@@ -1,36 +1,44 @@
-"""Dequeue throughput while another session holds a snapshot open, and after it ends: lonnymq
-against the raw ``SELECT … FOR UPDATE SKIP LOCKED`` queue of ``lonnymq bench``, on one
-PostgreSQL, under the same conditions.
+"""A `Worker` under a steady offered load, before, while and after another session holds the
+database's xmin horizon back: pickup latency, completion rate, backlog, dead rows, index sizes
+and the pages each statement of a take and a finish touches, per window.
 
-    lonnymq bench --long-txn [--hold 180] [--quick]
-    python benchmarks/long_txn.py [--dsn DSN] [--hold 180] [--baseline 60] [--after 60]
-                                  [--window 10] [--clients 4] [--out DIR] [--quick]
+    lonnymq bench --long-txn [--hold 600] [--quick]
+    python benchmarks/long_txn.py [--dsn DSN] [--hold 600] [--clean 120] [--recovery 180]
+                                  [--window 10] [--rate N] [--capacity 20] [--concurrency 32]
+                                  [--handler-ms 1] [--channels 1] [--holders idle,reader]
+                                  [--schema NAME] [--out DIR] [--quick]
 
-Without ``--dsn`` it uses ``$LONNYMQ_DSN``, else starts the embedded PostgreSQL (autovacuum on)
-and stops it at the end.
+Without ``--dsn`` it uses ``$LONNYMQ_DSN``, else starts the embedded PostgreSQL and stops it at
+the end.
 
-Both queues run the same steady load, driven by pgbench (the scripts of ``lonnymq bench``):
-``--clients`` producers and as many consumers, one message per call; lonnymq's consumers are
-durable (each ``complete_and_dequeue`` finishes the message the previous call locked and locks
-the next) and its producers spread messages over 100 channels. The queues take turns in
-windows of ``--window`` seconds (raw, lonnymq, lonnymq, raw, …), so both see the same server,
-the same neighbours and the same age of the held snapshot. Phases:
+The load: one producer creates messages at ``--rate`` per second (default: half of the clean
+capacity, measured first in the same run: a `Worker` draining a backlog for ``--capacity``
+seconds, after which the schema is installed afresh), spread over ``--channels`` channels, each
+message carrying the time it was created. One `Worker` (``--concurrency`` handlers, default
+32; its default lock, heartbeat and maintenance) runs a handler that sleeps ``--handler-ms``.
+For each holder of ``--holders`` (default both, in this order), from a freshly installed queue:
 
-- ``baseline``: nothing holds a snapshot (``--baseline`` seconds);
-- ``hold``: another session has run a query in a REPEATABLE READ transaction and idles in it
-  (``--hold`` seconds, the same for both queues since they alternate inside it);
-- ``after``: the holder has committed; autovacuum may run (``--after`` seconds);
-- ``vacuumed``: after a manual ``VACUUM`` of the queue tables (``--after`` seconds).
+- ``clean``: nothing holds the horizon (``--clean`` seconds);
+- ``idle``: another session began a transaction, took a transaction id and idles in it
+  (``--hold`` seconds); or ``reader``: another session runs one long ``SELECT`` over a table of
+  its own (``pg_sleep`` inside the query, ``--hold`` seconds): an active reader, holding its
+  snapshot while it runs;
+- ``recovery`` after it (``--recovery`` seconds): the Worker's maintenance and autovacuum may
+  clean up, and the Worker works off the backlog.
 
-Each window records messages consumed per second (messages created, from the id sequence,
-minus the growth of the backlog: raw deletes, lonnymq finishes), dequeue latency p50/p99
-(pgbench's per-transaction log of the consumers), dead tuples (``pgstattuple``'s count, and
-the statistics' ``n_dead_tup``), table and index sizes and the age of the oldest snapshot in
-the database, and the pages (buffers) that the first index probe of a dequeue touches
-(``EXPLAIN (ANALYZE, BUFFERS)``, no locks taken). Prints a table per phase with hold/baseline
-and lonnymq/raw ratios; writes ``long_txn.json`` and ``long_txn.png`` to ``--out`` (default
-``benchmarks/results``). The schemas are dropped at the end; ``pgstattuple`` is created in the
-raw queue's schema when the database does not have it yet (and so dropped with it).
+Each window of ``--window`` seconds records: messages created and completed per second; pickup
+latency p50/p99 (creation to handler start) of the messages picked up in it; the backlog
+(created, not yet picked up); per table (``message``, ``channel``) ``n_dead_tup`` and heap
+pages, and each index's pages; the age of the oldest horizon held in the database; the pages
+touched (shared buffers hit or read) by the take's index probes, run by ``EXPLAIN (ANALYZE,
+BUFFERS)`` without locks (the expired-lock probe, the due-channel probe, the channel-head probe
+and the channel-row look-up of a finish); and, when the server has ``pg_stat_statements``
+loaded with ``pg_stat_statements.track = all``, the calls, pages per call and time per call of
+the statements inside the queue's functions (the same probes as the Worker ran them, and the
+finish's statements), with the statements that touched the most pages.
+
+Prints a table per window and one per phase; writes ``long_txn.json`` to ``--out`` (default
+``benchmarks/results``). The schemas are dropped at the end.
 """
 
 from __future__ import annotations
@@ -38,59 +46,185 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import re
 import statistics
-import subprocess
-import tempfile
+import struct
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from .bench import RAW_DDL, SCRIPTS, pgbench_path
 from .embedded import resolve_dsn
 from .errors import InvalidArgumentError
-from .queue import Queue
+from .queue import Message, Queue
+from .types import NewMessage
+from .worker import Worker
 
 __all__ = ["DEFAULT", "QUICK", "Settings", "main", "run_long_txn"]
 
-CHANNELS = 100
-LOCK_MS = 60_000
-QUEUES = ("raw", "lonnymq")
-PHASES = ("baseline", "hold", "after", "vacuumed")
+HOLDERS = ("idle", "reader")
 APP = "lonnymq_long_txn"
+STAMP = struct.Struct("<d")
+
+# The statements of a take and a finish, as pg_stat_statements stores them (the text inside
+# the functions, whitespace collapsed, constants as $n): a name for each, the texts that only
+# it contains, and texts it does not contain.
+STATEMENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # Take: the oldest expired lock; the due channel (locked); that channel's head, locked;
+    # the channel's next time; riding along on a busy channel (its look-up and its head).
+    "expired_lock": (("e.is_locked AND e.unlock_at <= v_now",), ()),
+    "due_channel": (("c.next_dequeue_at <= v_now", "c.turn LIMIT", "SKIP LOCKED"), ()),
+    "channel_head": (("h.channel = v_channel.name AND NOT h.is_locked",), ()),
+    "channel_next": (("SET next_dequeue_at = n.next_at",), ()),
+    "busy_channel": (("SELECT c.name FROM channel c", "c.next_dequeue_at <= v_now"), ("SKIP",)),
+    "ride_along": (("h.channel = v_busy AND NOT h.is_locked",), ()),
+    "rotate": (("WHERE m.channel = p_channel AND NOT m.is_locked",), ()),
+    # Finish: the delete, the look-up of the channel's policy.
+    "finish_delete": (("DELETE FROM message m WHERE m.id = p_id",), ()),
+    "finish_policy": (("c.has_policy FROM channel c WHERE c.name = v_message.channel",), ()),
+    # The calls the Worker and the producer make.
+    "complete_and_dequeue": (("message_complete_and_dequeue(",), ()),
+    "dequeue_many": (("message_dequeue_many(",), ()),
+    "create_many": (("message_create_many(",), ()),
+}
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Durations (seconds) and load of one run."""
+    """Durations (seconds) and load of one run; ``rate`` None: half the measured capacity."""
 
-    baseline: float
+    clean: float
     hold: float
-    after: float
+    recovery: float
     window: float
-    clients: int
-    prefill: int
+    capacity: float
+    rate: float | None
+    concurrency: int
+    handler_ms: float
+    channels: int
+    holders: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        for name in ("baseline", "hold", "after", "window"):
+        for name in ("clean", "hold", "recovery", "window", "capacity"):
             value = getattr(self, name)
             if not value > 0:
                 raise InvalidArgumentError(
                     f"{name} must be a positive number of seconds, got {value}"
                 )
-        if self.clients < 1:
-            raise InvalidArgumentError(f"clients must be at least 1, got {self.clients}")
-        if self.prefill < 0:
-            raise InvalidArgumentError(f"prefill must not be negative, got {self.prefill}")
+        if self.rate is not None and not self.rate > 0:
+            raise InvalidArgumentError(f"rate must be a positive number, got {self.rate}")
+        if not 1 <= self.concurrency <= 256:
+            raise InvalidArgumentError(
+                f"concurrency must be between 1 and 256, got {self.concurrency}"
+            )
+        if not self.handler_ms >= 0:
+            raise InvalidArgumentError(f"handler_ms must not be negative, got {self.handler_ms}")
+        if not 1 <= self.channels <= 10_000:
+            raise InvalidArgumentError(f"channels must be between 1 and 10000, got {self.channels}")
+        if not self.holders or any(h not in HOLDERS for h in self.holders):
+            raise InvalidArgumentError(
+                f"holders must be one or more of {', '.join(HOLDERS)}, got {self.holders}"
+            )
 
 
-DEFAULT = Settings(baseline=60, hold=180, after=60, window=10, clients=4, prefill=20_000)
-QUICK = Settings(baseline=2, hold=2, after=2, window=1, clients=2, prefill=2_000)
+DEFAULT = Settings(
+    clean=120, hold=600, recovery=180, window=10, capacity=20, rate=None, concurrency=32,
+    handler_ms=1, channels=1, holders=HOLDERS,
+)  # fmt: skip
+QUICK = Settings(
+    clean=2, hold=3, recovery=2, window=1, capacity=2, rate=None, concurrency=8, handler_ms=1,
+    channels=1, holders=HOLDERS,
+)  # fmt: skip
+
+
+class _Load:
+    """The producer and the Worker, and what they counted."""
+
+    def __init__(self, dsn: str, schema: str, settings: Settings) -> None:
+        self.settings = settings
+        self.lock = threading.Lock()
+        self.created = 0
+        self.started = 0
+        self.pickups: list[float] = []  # ms, since the last take()
+        self.stop_producing = threading.Event()
+        self.producer_queue = Queue(dsn, schema=schema, pool_size=2)
+        self.queue = Queue(dsn, schema=schema, pool_size=settings.concurrency + 4)
+        self.worker = Worker(self.queue, self._handle, concurrency=settings.concurrency)
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+
+    def _handle(self, message: Message) -> None:
+        now = time.time()
+        (created,) = STAMP.unpack(message.content)
+        with self.lock:
+            self.started += 1
+            self.pickups.append((now - created) * 1000)
+        if self.settings.handler_ms:
+            time.sleep(self.settings.handler_ms / 1000)
+
+    def _produce(self, rate: float) -> None:
+        names = [f"c{i + 1}" for i in range(self.settings.channels)]
+        begun = time.monotonic()
+        sent = 0
+        while not self.stop_producing.is_set():
+            due = int((time.monotonic() - begun) * rate) - sent
+            if due <= 0:
+                self.stop_producing.wait(0.002)
+                continue
+            due = min(due, 1000)
+            # Counted before they commit, so that no handler starts one not counted yet (the
+            # backlog, created minus picked up, never goes below zero); a failed create stops
+            # the run.
+            with self.lock:
+                self.created += due
+            stamp = STAMP.pack(time.time())
+            self.producer_queue.create_many(
+                NewMessage(stamp, channel=names[(sent + i) % len(names)]) for i in range(due)
+            )
+            sent += due
+
+    def _guard(self, target: Callable[..., object], *args: object) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target(*args)
+            except BaseException as err:  # reported by stop()
+                self.errors.append(err)
+
+        return run
+
+    def start(self, rate: float | None) -> None:
+        def work() -> None:
+            self.worker.run(handle_signals=False)
+
+        self.threads.append(threading.Thread(target=self._guard(work), name="bench-worker"))
+        if rate is not None:
+            self.threads.append(
+                threading.Thread(target=self._guard(self._produce, rate), name="bench-producer")
+            )
+        for thread in self.threads:
+            thread.start()
+
+    def counts(self) -> tuple[int, int, int, list[float]]:
+        """Created, picked up, completed so far, and the pickups since the last call."""
+        with self.lock:
+            pickups, self.pickups = self.pickups, []
+            return self.created, self.started, self.worker.stats.completed, pickups
+
+    def stop(self) -> None:
+        self.stop_producing.set()
+        self.worker.stop()
+        for thread in self.threads:
+            thread.join(120)
+        self.producer_queue.close()
+        self.queue.close()
+        if self.errors:
+            raise RuntimeError(f"the load failed: {self.errors[0]!r}") from self.errors[0]
 
 
 class LongTxnBench:
@@ -102,384 +236,410 @@ class LongTxnBench:
         self.dsn = dsn
         self.settings = settings
         self.schema = schema
-        self.raw_schema = f"{schema}_raw"
+        self.aux = f"{schema}_aux"  # the reader's table; pg_stat_statements if we create it
         self.log = log
-        self.pgbench = pgbench_path()
-        self.tmp = Path(tempfile.mkdtemp(prefix="lonnymq-long-txn-"))
-        names = {
-            "s": sql.Identifier(self.schema).as_string(),
-            "r": sql.Identifier(self.raw_schema).as_string(),
-        }
-        self.scripts: dict[str, tuple[Path, Path]] = {}
-        for kind in QUEUES:
-            pair = []
-            for step in ("create", "take"):
-                path = self.tmp / f"{kind}_{step}.sql"
-                path.write_text(SCRIPTS[(kind, step, 1)].format(**names))
-                pair.append(path)
-            self.scripts[kind] = (pair[0], pair[1])
-        self.tables = {
-            "raw": [(self.raw_schema, "raw_queue")],
-            "lonnymq": [(self.schema, "message"), (self.schema, "channel")],
-        }
         self.started = time.monotonic()
         self.windows: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
-        self.seq = 0
-        self.stattuple_schema = self.raw_schema
-        self.running: list[subprocess.Popen[str]] = []
+        self.statements_schema: str | None = None
+        self.capacity: float | None = None
+        self.rate: float = 0.0
+        self._last: dict[str, Any] = {}
 
     # -- setup ---------------------------------------------------------------------------
 
     def _admin(self) -> psycopg.Connection[Any]:
         return psycopg.connect(self.dsn, autocommit=True, application_name=APP)
 
-    def setup(self) -> None:
+    def _s(self, *names: str) -> sql.Identifier:
+        return sql.Identifier(self.schema, *names)
+
+    def install(self) -> None:
+        """A fresh queue schema (dropped first), vacuumed and analysed."""
         with self._admin() as conn:
-            names = {
-                "s": sql.Identifier(self.schema).as_string(),
-                "r": sql.Identifier(self.raw_schema).as_string(),
-            }
-            conn.execute(RAW_DDL.format(**names).encode())
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(self._s()))
-        with Queue(self.dsn, schema=self.schema) as queue:
+        # With events on, as a Worker should run: an idle Worker wakes on a create's NOTIFY.
+        with Queue(self.dsn, schema=self.schema, event_channel=self.schema[:63]) as queue:
             queue.install()
         with self._admin() as conn:
+            for table in ("message", "channel"):
+                conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(self._s(table)))
+
+    def setup(self) -> None:
+        with self._admin() as conn:
+            aux = sql.Identifier(self.aux)
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(aux))
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(aux))
             conn.execute(
-                sql.SQL("CREATE EXTENSION IF NOT EXISTS pgstattuple SCHEMA {}").format(
-                    sql.Identifier(self.raw_schema)
-                )
+                sql.SQL(
+                    "CREATE TABLE {}.report AS SELECT g AS id FROM generate_series(1, 1000) g"
+                ).format(aux)
             )
-            found = conn.execute(
-                "SELECT n.nspname FROM pg_extension e "
-                "JOIN pg_namespace n ON n.oid = e.extnamespace WHERE e.extname = 'pgstattuple'"
+            track = conn.execute(
+                "SELECT setting FROM pg_settings WHERE name = 'pg_stat_statements.track'"
             ).fetchone()
-            assert found is not None
-            self.stattuple_schema = str(found[0])
-            # A backlog, so that consumers never find an empty queue.
-            count = self.settings.prefill
-            conn.execute(
-                sql.SQL(
-                    "INSERT INTO {}.raw_queue (payload) "
-                    "SELECT '\\x00'::bytea FROM generate_series(1, %s)"
-                ).format(sql.Identifier(self.raw_schema)),
-                (count,),
-            )
-            conn.execute(
-                sql.SQL(
-                    "SELECT count(*) FROM {}.message_create_many("
-                    "ARRAY(SELECT 'c' || (1 + (g %% %s::int)) "
-                    "FROM generate_series(1, %s::int) g), "
-                    "array_fill('\\x00'::bytea, ARRAY[%s::int]), NULL, NULL)"
-                ).format(self._s()),
-                (CHANNELS, count, count),
-            )
-            self._vacuum(conn, analyze=True)
+            if track is not None and track[0] == "all":
+                conn.execute(
+                    sql.SQL("CREATE EXTENSION IF NOT EXISTS pg_stat_statements SCHEMA {}").format(
+                        aux
+                    )
+                )
+                found = conn.execute(
+                    "SELECT n.nspname FROM pg_extension e JOIN pg_namespace n "
+                    "ON n.oid = e.extnamespace WHERE e.extname = 'pg_stat_statements'"
+                ).fetchone()
+                self.statements_schema = str(found[0]) if found else None
+        self.install()
 
     def teardown(self) -> None:
-        for proc in self.running:  # interrupted: stop pgbench before dropping its tables
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(30)
         with self._admin() as conn:
-            for schema in (self.schema, self.raw_schema):
+            for schema in (self.schema, self.aux):
                 conn.execute(
                     sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
                 )
 
-    def _s(self) -> sql.Identifier:
-        return sql.Identifier(self.schema)
-
-    def _vacuum(self, conn: psycopg.Connection[Any], *, analyze: bool = False) -> None:
-        verb = sql.SQL("VACUUM (ANALYZE)" if analyze else "VACUUM")
-        for kind in QUEUES:
-            for schema, table in self.tables[kind]:
-                conn.execute(sql.SQL("{} {}").format(verb, sql.Identifier(schema, table)))
-
     # -- measuring -----------------------------------------------------------------------
 
-    def _stats(self, conn: psycopg.Connection[Any], kind: str) -> dict[str, Any]:
-        """Messages so far, dead and live tuples, sizes and vacuums of ``kind``'s tables.
-
-        Messages created are read from the id sequence and messages left from the table, not
-        from the cumulative statistics: those can be reset by anyone (``pg_stat_reset``), and
-        a shared server sees that. Dead tuples are counted by ``pgstattuple`` (a scan), and
-        the statistics' estimate (``n_dead_tup``) is kept next to them.
-        """
+    def _tables(self, conn: psycopg.Connection[Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for schema, table in self.tables[kind]:
-            name = sql.Identifier(schema, table)
+        for table in ("message", "channel"):
             row = conn.execute(
-                "SELECT n_dead_tup, pg_relation_size(relid), pg_indexes_size(relid), "
-                "last_autovacuum, last_vacuum, autovacuum_count "
-                "FROM pg_stat_user_tables WHERE schemaname = %s AND relname = %s",
-                (schema, table),
+                "SELECT n_dead_tup, n_live_tup, pg_relation_size(relid) / 8192, autovacuum_count, "
+                "vacuum_count FROM pg_stat_user_tables WHERE schemaname = %s AND relname = %s",
+                (self.schema, table),
             ).fetchone()
             if row is None:
-                raise RuntimeError(f"no statistics for {schema}.{table}")
-            exact = conn.execute(
-                sql.SQL("SELECT tuple_count, dead_tuple_count FROM {}.pgstattuple(%s)").format(
-                    sql.Identifier(self.stattuple_schema)
-                ),
-                (name.as_string(conn),),
-            ).fetchone()
-            assert exact is not None
-            out[table] = {
-                "live_tuples": exact[0],
-                "dead_tuples": exact[1],
-                "n_dead_tup": row[0],
-                "heap_bytes": row[1],
-                "index_bytes": row[2],
-                "last_autovacuum": row[3].isoformat() if row[3] else None,
-                "last_vacuum": row[4].isoformat() if row[4] else None,
-                "autovacuum_count": row[5],
-            }
-        main_schema, main_table = self.tables[kind][0]
-        seq = conn.execute(
-            "SELECT pg_get_serial_sequence(%s, 'id')",
-            (sql.Identifier(main_schema, main_table).as_string(conn),),
-        ).fetchone()
-        assert seq is not None
-        assert seq[0]
-        created = conn.execute(
-            sql.SQL("SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM {}").format(
-                sql.SQL(seq[0])
+                raise RuntimeError(f"no statistics for {self.schema}.{table}")
+            indexes = dict(
+                conn.execute(
+                    "SELECT indexrelname, pg_relation_size(indexrelid) / 8192 "
+                    "FROM pg_stat_user_indexes WHERE schemaname = %s AND relname = %s "
+                    "ORDER BY indexrelname",
+                    (self.schema, table),
+                ).fetchall()
             )
-        ).fetchone()
-        assert created is not None
-        out[main_table]["created"] = int(created[0])
+            out[table] = {
+                "n_dead_tup": row[0],
+                "n_live_tup": row[1],
+                "heap_pages": row[2],
+                "vacuums": row[3] + row[4],
+                "index_pages": {str(k): int(v) for k, v in indexes.items()},
+            }
         return out
 
-    def _probes(self, conn: psycopg.Connection[Any], kind: str) -> dict[str, Any]:
-        """Pages read and time of the index probe each dequeue starts with (EXPLAIN ANALYZE,
-        without taking locks): the dead entries a dequeue wades through show up here."""
-        if kind == "raw":
-            probes = {
-                "head": sql.SQL("SELECT id FROM {} ORDER BY id LIMIT 1").format(
-                    sql.Identifier(self.raw_schema, "raw_queue")
-                )
-            }
-        else:
-            probes = {
-                "ready_channel": sql.SQL(
-                    "SELECT name FROM {} WHERE next_dequeue_at IS NOT NULL AND "
-                    "(max_concurrency IS NULL OR current_concurrency < max_concurrency) "
-                    "ORDER BY next_dequeue_at, turn LIMIT 1"
-                ).format(sql.Identifier(self.schema, "channel")),
-                "channel_head": sql.SQL(
-                    "SELECT id FROM {} WHERE channel = 'c1' AND NOT is_locked "
-                    "ORDER BY dequeue_at, id LIMIT 1"
-                ).format(sql.Identifier(self.schema, "message")),
-            }
+    def _probes(self, conn: psycopg.Connection[Any]) -> dict[str, Any]:
+        """Pages touched and time of each index probe of a take (and of the channel-row
+        look-up of a finish), run as the functions run them but without taking locks."""
+        now_row = conn.execute(sql.SQL("SELECT {}()").format(self._s("epoch"))).fetchone()
+        assert now_row is not None
+        now = sql.Literal(int(now_row[0]))
+        message, channel = self._s("message"), self._s("channel")
+        probes = {
+            "expired_lock": sql.SQL(
+                "SELECT e.id FROM {} e WHERE e.is_locked AND e.unlock_at <= {} "
+                "ORDER BY e.unlock_at, e.id LIMIT 1"
+            ).format(message, now),
+            "due_channel": sql.SQL(
+                "SELECT c.name FROM {} c WHERE c.next_dequeue_at IS NOT NULL "
+                "AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency) "
+                "AND c.next_dequeue_at <= {} ORDER BY c.next_dequeue_at, c.turn LIMIT 1"
+            ).format(channel, now),
+            "channel_head": sql.SQL(
+                "SELECT h.id FROM {} h WHERE h.channel = 'c1' AND NOT h.is_locked "
+                "AND h.dequeue_at <= {} ORDER BY h.dequeue_at, h.id LIMIT 1"
+            ).format(message, now),
+            "channel_row": sql.SQL("SELECT c.has_policy FROM {} c WHERE c.name = 'c1'").format(
+                channel
+            ),
+        }
         out: dict[str, Any] = {}
-        for name, query in probes.items():
-            row = conn.execute(
-                sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}").format(query)
-            ).fetchone()
-            assert row is not None
-            plan = row[0][0]
-            top = plan["Plan"]
-            out[name] = {
-                "pages": top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0),
-                "ms": plan.get("Execution Time"),
-            }
+        with conn.transaction():
+            conn.execute("SET LOCAL enable_seqscan = off")
+            conn.execute("SET LOCAL enable_bitmapscan = off")
+            conn.execute("SET LOCAL jit = off")
+            for name, query in probes.items():
+                row = conn.execute(
+                    sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}").format(query)
+                ).fetchone()
+                assert row is not None
+                plan = row[0][0]
+                top = plan["Plan"]
+                out[name] = {
+                    "pages": top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0),
+                    "ms": plan.get("Execution Time"),
+                }
         return out
 
-    def _oldest_xmin_age(self, conn: psycopg.Connection[Any]) -> int | None:
+    def _statements(self, conn: psycopg.Connection[Any]) -> dict[str, tuple[int, int, float]]:
+        """Per statement text (whitespace collapsed), calls, pages and ms so far."""
+        if self.statements_schema is None:
+            return {}
+        rows = conn.execute(
+            sql.SQL(
+                "SELECT query, sum(calls), sum(shared_blks_hit + shared_blks_read), "
+                "sum(total_exec_time) FROM {}.pg_stat_statements "
+                "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+                "GROUP BY query"
+            ).format(sql.Identifier(self.statements_schema))
+        ).fetchall()
+        out: dict[str, tuple[int, int, float]] = {}
+        for query, calls, pages, ms in rows:
+            key = re.sub(r"\s+", " ", query).strip()
+            old = out.get(key, (0, 0, 0.0))
+            out[key] = (old[0] + int(calls), old[1] + int(pages), old[2] + float(ms))
+        return out
+
+    def _horizon_age(self, conn: psycopg.Connection[Any]) -> int | None:
         row = conn.execute(
-            "SELECT max(age(backend_xmin)) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND backend_xmin IS NOT NULL"
+            "SELECT max(greatest(age(backend_xmin), age(backend_xid))) FROM pg_stat_activity "
+            "WHERE datname = current_database()"
         ).fetchone()
         return int(row[0]) if row and row[0] is not None else None
 
-    def _pgbench(self, script: Path, tag: str, log_prefix: Path | None) -> subprocess.Popen[str]:
-        args = [
-            self.pgbench, "-n", "-c", str(self.settings.clients), "-j", "1",
-            "-T", str(max(1, round(self.settings.window))), "-f", str(script),
-            "-D", f"channels={CHANNELS}", "-D", "id=0", "-D", "na=0", self.dsn,
-        ]  # fmt: skip
-        if log_prefix is not None:
-            args[1:1] = ["-l", f"--log-prefix={log_prefix}"]
-        env = {**os.environ, "PGAPPNAME": f"{APP}_{tag}"}
-        proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=self.tmp
-        )
-        self.running = [p for p in self.running if p.poll() is None] + [proc]
-        return proc
+    # -- phases --------------------------------------------------------------------------
 
-    def _wait_gone(self, conn: psycopg.Connection[Any], tag: str) -> None:
-        """Wait until pgbench's backends have exited: they flush their statistics first."""
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            row = conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
-                (f"{APP}_{tag}",),
-            ).fetchone()
-            if row and row[0] == 0:
-                return
-            time.sleep(0.05)
-        raise RuntimeError("pgbench's backends did not exit within 60 s")
-
-    def window(self, kind: str, phase: str) -> dict[str, Any]:
-        """Run ``kind``'s producers and consumers for one window and record what happened."""
-        self.seq += 1
-        tag = f"{self.seq}"
-        prefix = self.tmp / f"lat_{tag}"
-        create, take = self.scripts[kind]
+    def measure_capacity(self) -> float:
+        """Messages per second one Worker completes from a backlog (the clean capacity)."""
+        s = self.settings
+        count = max(5_000, int(s.capacity * 4_000))
         with self._admin() as conn:
-            before = self._stats(conn, kind)
-            start = time.monotonic()
-            consumer = self._pgbench(take, tag, prefix)
-            producer = self._pgbench(create, tag, None)
-            for proc in (producer, consumer):
-                output, _ = proc.communicate()
-                if proc.returncode != 0:
-                    raise RuntimeError(f"pgbench failed:\n{output[-2000:]}")
-            elapsed = time.monotonic() - start
-            self._wait_gone(conn, tag)
-            after = self._stats(conn, kind)
-            xmin_age = self._oldest_xmin_age(conn)
-            probes = self._probes(conn, kind)
-        main = self.tables[kind][0][1]
-        produced = after[main]["created"] - before[main]["created"]
-        consumed = produced - (after[main]["live_tuples"] - before[main]["live_tuples"])
-        latencies = _read_latencies(prefix)
-        seconds = float(max(1, round(self.settings.window)))
-        record = {
-            "queue": kind,
-            "phase": phase,
-            "t": start - self.started,
-            "wall_seconds": elapsed,
-            "seconds": seconds,
-            "consumed": consumed,
-            "produced": produced,
-            "msgs_per_s": consumed / seconds,
-            "latencies_ms": latencies,
-            "oldest_xmin_age": xmin_age,
-            "probes": probes,
-            "tables": after,
-        }
-        self.windows.append(record)
-        dead = sum(t["dead_tuples"] for t in after.values())
-        lat = _percentiles(latencies)
-        pages = "/".join(str(p["pages"]) for p in probes.values())
-        self.log(
-            f"  {record['t']:7.1f}s  {phase:<9} {kind:<8} {record['msgs_per_s']:>9,.0f} msg/s  "
-            f"p50 {_ms(lat['p50_ms']):>8} ms  p99 {_ms(lat['p99_ms']):>8} ms  dead {dead:>9,}  "
-            f"probe pages {pages:>9}  xmin age {xmin_age if xmin_age is not None else '-'}"
-        )
-        return record
+            conn.execute(
+                sql.SQL(
+                    "SELECT count(*) FROM {}("
+                    "ARRAY(SELECT 'c' || (1 + (g %% %s::int)) FROM generate_series(1, %s::int) g), "
+                    "ARRAY(SELECT %s::bytea FROM generate_series(1, %s::int)), NULL, NULL)"
+                ).format(self._s("message_create_many")),
+                (s.channels, count, STAMP.pack(time.time()), count),
+            )
+            conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(self._s("message")))
+        load = _Load(self.dsn, self.schema, s)
+        load.start(None)
+        try:
+            time.sleep(min(1.0, s.capacity / 4))  # the Worker's start (pool, first dequeue)
+            _, _, first, _ = load.counts()
+            begun = time.monotonic()
+            time.sleep(s.capacity)
+            _, _, last, _ = load.counts()
+            seconds = time.monotonic() - begun
+        finally:
+            load.stop()
+        if last >= count:
+            raise RuntimeError(f"the backlog of {count} ran out while measuring the capacity")
+        return (last - first) / seconds
 
-    def phase(self, name: str, seconds: float) -> None:
-        """Alternate the queues for ``seconds`` (at least one window each)."""
-        pairs = max(1, round(seconds / (2 * self.settings.window)))
-        for i in range(pairs):
-            order = QUEUES if (len(self.windows) // 2) % 2 == 0 else QUEUES[::-1]
-            for kind in order:
-                self.window(kind, name)
-            del i
+    def phase(self, load: _Load, name: str, seconds: float, holder: str | None) -> None:
+        """Windows of ``--window`` seconds for ``seconds`` (at least one)."""
+        s = self.settings
+        count = max(1, round(seconds / s.window))
+        for _ in range(count):
+            self.window(load, name, holder)
+
+    def window(self, load: _Load, phase: str, holder: str | None) -> None:
+        s = self.settings
+        before = self._last
+        deadline = before["clock"] + s.window
+        time.sleep(max(0.0, deadline - time.monotonic()))
+        sample = self._sample(load)
+        seconds = sample["clock"] - before["clock"]
+        pickups = sample.pop("pickups")
+        statements = {}
+        if self.statements_schema is not None:
+            statements = _statement_deltas(before["statements"], sample["statements"])
+        record = {
+            "phase": phase,
+            "holder": holder,
+            "t": before["clock"] - self.started,
+            "seconds": seconds,
+            "created_per_s": (sample["created"] - before["created"]) / seconds,
+            "completed_per_s": (sample["completed"] - before["completed"]) / seconds,
+            "picked_up": len(pickups),
+            **_percentiles(pickups),
+            "backlog": sample["created"] - sample["started"],
+            "horizon_age": sample["horizon_age"],
+            "tables": sample["tables"],
+            "probes": sample["probes"],
+            "statements": statements.get("named"),
+            "top_statements": statements.get("top"),
+            "measure_seconds": sample["measure_seconds"],
+        }
+        self._last = sample
+        self.windows.append(record)
+        self.log(_window_line(record))
+
+    def _sample(self, load: _Load) -> dict[str, Any]:
+        clock = time.monotonic()
+        created, started, completed, pickups = load.counts()
+        with self._admin() as conn:
+            out = {
+                "clock": clock,
+                "created": created,
+                "started": started,
+                "completed": completed,
+                "pickups": pickups,
+                "statements": self._statements(conn),
+                "tables": self._tables(conn),
+                "horizon_age": self._horizon_age(conn),
+                "probes": self._probes(conn),
+            }
+        out["measure_seconds"] = time.monotonic() - clock
+        return out
 
     def event(self, name: str, **extra: Any) -> None:
         self.events.append({"event": name, "t": time.monotonic() - self.started} | extra)
+
+    @contextmanager
+    def hold(self, kind: str) -> Iterator[None]:
+        """Another session holding the horizon back, as ``kind`` says, until the block ends."""
+        s = self.settings
+        if kind == "idle":
+            with psycopg.connect(self.dsn, application_name=f"{APP}_idle") as holder:
+                holder.execute("SELECT txid_current()").fetchone()
+                self.event("idle start")
+                try:
+                    yield
+                finally:
+                    holder.commit()
+                    self.event("idle end")
+            return
+        reader = psycopg.connect(self.dsn, autocommit=True, application_name=f"{APP}_reader")
+        failed: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                reader.execute(
+                    sql.SQL("SELECT count(*), pg_sleep(%s) FROM {}.report").format(
+                        sql.Identifier(self.aux)
+                    ),
+                    (s.hold + 3600,),
+                ).fetchone()
+            except psycopg.errors.QueryCanceled:
+                pass
+            except BaseException as err:
+                failed.append(err)
+
+        thread = threading.Thread(target=read, name="bench-reader")
+        thread.start()
+        try:
+            with self._admin() as conn:  # wait until its query runs, holding its snapshot
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    row = conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+                        "AND state = 'active' AND backend_xmin IS NOT NULL",
+                        (f"{APP}_reader",),
+                    ).fetchone()
+                    if row and row[0]:
+                        break
+                    time.sleep(0.01)
+                else:
+                    raise RuntimeError("the reader's query did not start within 30 s")
+            self.event("reader start")
+            yield
+        finally:
+            reader.cancel_safe()
+            thread.join(60)
+            reader.close()
+            self.event("reader end")
+        if failed:
+            raise RuntimeError(f"the reader failed: {failed[0]!r}") from failed[0]
 
     def run(self) -> dict[str, Any]:
         s = self.settings
         self.setup()
         self.started = time.monotonic()
-        self.log("baseline:")
-        self.phase("baseline", s.baseline)
-        self.log(f"hold: another session idles in a REPEATABLE READ transaction ({s.hold:.0f}s)")
-        with psycopg.connect(self.dsn, application_name=f"{APP}_holder") as holder:
-            holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            holder.execute("SELECT count(*) FROM pg_class").fetchone()  # takes the snapshot
-            self.event("hold start")
-            held_from = time.monotonic()
-            self.phase("hold", s.hold)
-            holder.commit()
-            self.event("hold end", seconds=time.monotonic() - held_from)
-        self.log("after: the holder committed; autovacuum may run")
-        self.phase("after", s.after)
-        with self._admin() as conn:
-            started = time.monotonic()
-            self._vacuum(conn)
-            self.event("vacuum", seconds=time.monotonic() - started)
-        self.log(f"vacuumed: VACUUM of the queue tables took {self.events[-1]['seconds']:.1f}s")
-        self.phase("vacuumed", s.after)
+        if s.rate is None:
+            self.log(f"capacity: a Worker drains a backlog for {s.capacity:g}s")
+            self.capacity = self.measure_capacity()
+            self.rate = self.capacity / 2
+            self.log(f"capacity {self.capacity:,.0f} msg/s; offered load {self.rate:,.0f} msg/s")
+            self.install()
+            self.event("capacity measured", capacity=self.capacity)
+        else:
+            self.rate = s.rate
+        for i, kind in enumerate(s.holders):
+            if i:
+                self.install()  # each holder starts from a fresh, clean queue
+            load = _Load(self.dsn, self.schema, s)
+            self._last = self._sample(load)
+            self._last.pop("pickups")
+            load.start(self.rate)
+            self.event("load start", rate=self.rate)
+            try:
+                self.log(_header())
+                self.phase(load, "clean", s.clean, kind)
+                with self.hold(kind):
+                    self.phase(load, kind, s.hold, kind)
+                self.phase(load, "recovery", s.recovery, kind)
+            finally:
+                load.stop()
         return self.report()
 
     # -- report --------------------------------------------------------------------------
 
     def report(self) -> dict[str, Any]:
-        summary: dict[str, dict[str, Any]] = {}
-        for kind in QUEUES:
-            summary[kind] = {}
-            for phase in PHASES:
-                rows = [w for w in self.windows if w["queue"] == kind and w["phase"] == phase]
-                summary[kind][phase] = _summarise(rows)
-            holds = [w for w in self.windows if w["queue"] == kind and w["phase"] == "hold"]
-            summary[kind]["hold_end"] = _summarise(holds[-1:])
-        ratios: dict[str, Any] = {}
-        for kind in QUEUES:
-            base = summary[kind]["baseline"]["msgs_per_s"]
-            ratios[kind] = {
-                phase: (summary[kind][phase]["msgs_per_s"] / base if base else None)
-                for phase in (*PHASES[1:], "hold_end")
-            }
-        ratios["lonnymq_to_raw"] = {
-            phase: (
-                summary["lonnymq"][phase]["msgs_per_s"] / summary["raw"][phase]["msgs_per_s"]
-                if summary["raw"][phase]["msgs_per_s"]
-                else None
-            )
-            for phase in (*PHASES, "hold_end")
-        }
+        summary = []
+        for kind in self.settings.holders:
+            for phase in ("clean", kind, "recovery"):
+                rows = [w for w in self.windows if w["phase"] == phase and w["holder"] == kind]
+                summary.append(_summarise(phase, kind, rows))
+                if phase == kind:
+                    summary.append(_summarise(f"{kind} (last)", kind, rows[-1:]))
         with self._admin() as conn:
             version = conn.execute("SHOW server_version").fetchone()
             server = dict(
                 conn.execute(
                     "SELECT name, setting FROM pg_settings WHERE name IN ('autovacuum', "
-                    "'autovacuum_naptime', 'autovacuum_vacuum_cost_delay', "
-                    "'idle_in_transaction_session_timeout')"
+                    "'autovacuum_naptime', 'shared_buffers', 'max_connections', "
+                    "'pg_stat_statements.track')"
                 ).fetchall()
             )
         return {
-            "settings": {
-                "baseline": self.settings.baseline,
-                "hold": self.settings.hold,
-                "after": self.settings.after,
-                "window": self.settings.window,
-                "clients": self.settings.clients,
-                "prefill": self.settings.prefill,
-                "channels": CHANNELS,
-            },
+            "settings": asdict(self.settings) | {"holders": list(self.settings.holders)},
+            "capacity_per_s": self.capacity,
+            "offered_per_s": self.rate,
             "server_version": version[0] if version else None,
             "server_settings": server,
+            "statements_measured": self.statements_schema is not None,
             "events": self.events,
-            "windows": [
-                {k: v for k, v in w.items() if k != "latencies_ms"}
-                | _percentiles(w["latencies_ms"])
-                for w in self.windows
-            ],
             "summary": summary,
-            "ratios": ratios,
+            "windows": self.windows,
         }
 
 
-def _read_latencies(prefix: Path) -> list[float]:
-    """Per-transaction latencies (ms) from pgbench's ``-l`` log files for ``prefix``."""
-    out: list[float] = []
-    for path in prefix.parent.glob(prefix.name + ".*"):
-        for line in path.read_text().splitlines():
-            fields = line.split()
-            if len(fields) >= 3:
-                out.append(int(fields[2]) / 1000)
-        path.unlink()
-    return out
+def _statement_deltas(
+    before: dict[str, tuple[int, int, float]], after: dict[str, tuple[int, int, float]]
+) -> dict[str, Any]:
+    """Calls, pages per call and ms per call in a window: per named statement, and the
+    statements that touched the most pages."""
+    deltas: dict[str, tuple[int, int, float]] = {}
+    for key, (calls, pages, ms) in after.items():
+        old = before.get(key, (0, 0, 0.0))
+        if calls > old[0]:
+            deltas[key] = (calls - old[0], pages - old[1], ms - old[2])
+    named: dict[str, Any] = {}
+    for name, (wanted, unwanted) in STATEMENTS.items():
+        calls = pages = 0
+        ms = 0.0
+        for key, (c, p, m) in deltas.items():
+            if all(w in key for w in wanted) and not any(u in key for u in unwanted):
+                calls, pages, ms = calls + c, pages + p, ms + m
+        named[name] = {
+            "calls": calls,
+            "pages_per_call": pages / calls if calls else None,
+            "ms_per_call": ms / calls if calls else None,
+        }
+    top = sorted(deltas.items(), key=lambda kv: kv[1][1], reverse=True)[:3]
+    return {
+        "named": named,
+        "top": [
+            {"query": key[:120], "calls": c, "pages": p, "ms": round(m, 1)}
+            for key, (c, p, m) in top
+        ],
+    }
 
 
 def _percentiles(latencies: list[float]) -> dict[str, float | None]:
-    """p50 and p99 of ``latencies`` (ms); None when pgbench logged none (a window in which a
-    loaded machine let no call finish)."""
+    """p50 and p99 of ``latencies`` (ms); None when nothing was picked up."""
     if not latencies:
         return {"p50_ms": None, "p99_ms": None}
     p50 = statistics.median(latencies)
@@ -487,95 +647,124 @@ def _percentiles(latencies: list[float]) -> dict[str, float | None]:
     return {"p50_ms": p50, "p99_ms": p99}
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    consumed = sum(r["consumed"] for r in rows)
+def _summarise(phase: str, holder: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A phase: rates over its windows, the median of its windows' latencies, the last
+    window's state."""
     seconds = sum(r["seconds"] for r in rows)
-    latencies = [x for r in rows for x in r["latencies_ms"]]
-    last = rows[-1]["tables"] if rows else {}
+    last = rows[-1] if rows else None
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in rows if r[key] is not None]
+        return statistics.median(values) if values else None
+
     return {
+        "phase": phase,
+        "holder": holder,
         "windows": len(rows),
-        "consumed": consumed,
         "seconds": seconds,
-        "msgs_per_s": consumed / seconds if seconds else 0.0,
-        **_percentiles(latencies),
-        "dead_tuples": {name: t["dead_tuples"] for name, t in last.items()},
-        "n_dead_tup": {name: t["n_dead_tup"] for name, t in last.items()},
-        "heap_bytes": {name: t["heap_bytes"] for name, t in last.items()},
-        "index_bytes": {name: t["index_bytes"] for name, t in last.items()},
+        "created_per_s": sum(r["created_per_s"] * r["seconds"] for r in rows) / seconds
+        if seconds
+        else 0.0,
+        "completed_per_s": sum(r["completed_per_s"] * r["seconds"] for r in rows) / seconds
+        if seconds
+        else 0.0,
+        "p50_ms": median("p50_ms"),
+        "p99_ms": median("p99_ms"),
+        "backlog": last["backlog"] if last else None,
+        "tables": last["tables"] if last else None,
+        "probes": last["probes"] if last else None,
+        "statements": last["statements"] if last else None,
     }
 
 
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value < 1000 else f"{value / 1000:.1f}s"
+
+
+def _header() -> str:
+    return (
+        f"{'t s':>6} {'phase':<9} {'created/s':>9} {'done/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+        f"{'backlog':>8} {'dead msg':>9} {'dead ch':>8} {'idx pages':>10} "
+        f"{'probe pages lock/due/head/row':>30} {'stmt pages/call lock/due/head/del':>34}"
+    )
+
+
+def _window_line(w: dict[str, Any]) -> str:
+    tables = w["tables"]
+    index_pages = sum(sum(t["index_pages"].values()) for t in tables.values())
+    probes = "/".join(
+        str(w["probes"][k]["pages"])
+        for k in ("expired_lock", "due_channel", "channel_head", "channel_row")
+    )
+    stmts = "-"
+    if w["statements"]:
+        stmts = "/".join(
+            "-"
+            if w["statements"][k]["pages_per_call"] is None
+            else f"{w['statements'][k]['pages_per_call']:.0f}"
+            for k in ("expired_lock", "due_channel", "channel_head", "finish_delete")
+        )
+    label = w["phase"] if w["phase"] == w["holder"] else f"{w['phase'][:5]}/{w['holder']}"
+    return (
+        f"{w['t']:6.0f} {label:<9} {w['created_per_s']:>9,.0f} {w['completed_per_s']:>7,.0f} "
+        f"{_ms(w['p50_ms']):>7} {_ms(w['p99_ms']):>7} {w['backlog']:>8,} "
+        f"{tables['message']['n_dead_tup']:>9,} {tables['channel']['n_dead_tup']:>8,} "
+        f"{index_pages:>10,} {probes:>30} {stmts:>34}"
+    )
+
+
 def table(report: dict[str, Any]) -> str:
-    """The per-phase table: rate, ratio to the baseline, latency, dead tuples, sizes."""
+    """One line per phase (and the last window of each hold)."""
     lines = [
-        f"{'phase':<9} {'queue':<8} {'msg/s':>8} {'x base':>7} {'x raw':>6} {'p50 ms':>8} "
-        f"{'p99 ms':>8} {'dead tuples':>12} {'heap+idx MB':>12}"
+        f"{'phase':<14} {'created/s':>9} {'done/s':>7} {'x clean':>7} {'p50 ms':>7} "
+        f"{'p99 ms':>7} {'backlog':>8} {'dead msg':>9} {'idx pages':>10} "
+        f"{'probe pages lock/due/head/row':>30}"
     ]
-    summary, ratios = report["summary"], report["ratios"]
-    for phase in (*PHASES[:2], "hold_end", *PHASES[2:]):
-        for kind in QUEUES:
-            row = summary[kind][phase]
-            base = 1.0 if phase == "baseline" else ratios[kind][phase]
-            vs_raw = ratios["lonnymq_to_raw"][phase] if kind == "lonnymq" else 1.0
-            dead = sum(row["dead_tuples"].values())
-            size = (sum(row["heap_bytes"].values()) + sum(row["index_bytes"].values())) / 2**20
-            lines.append(
-                f"{phase:<9} {kind:<8} {row['msgs_per_s']:>8,.0f} {_ratio(base):>7} "
-                f"{_ratio(vs_raw):>6} {_ms(row['p50_ms']):>8} {_ms(row['p99_ms']):>8} {dead:>12,} "
-                f"{size:>12.1f}"
-            )
+    clean: dict[str, float] = {}
+    for row in report["summary"]:
+        if row["phase"] == "clean":
+            clean[row["holder"]] = row["completed_per_s"]
+        label = row["phase"]
+        if not label.startswith(row["holder"]):
+            label = f"{label}/{row['holder']}"
+        if row["tables"] is None:
+            continue
+        index_pages = sum(sum(t["index_pages"].values()) for t in row["tables"].values())
+        probes = "/".join(
+            str(row["probes"][k]["pages"])
+            for k in ("expired_lock", "due_channel", "channel_head", "channel_row")
+        )
+        base = clean.get(row["holder"], 0.0)
+        ratio = row["completed_per_s"] / base if base else 0.0
+        lines.append(
+            f"{label:<14} {row['created_per_s']:>9,.0f} {row['completed_per_s']:>7,.0f} "
+            f"{ratio:>7.2f} {_ms(row['p50_ms']):>7} {_ms(row['p99_ms']):>7} "
+            f"{row['backlog']:>8,} {row['tables']['message']['n_dead_tup']:>9,} "
+            f"{index_pages:>10,} {probes:>30}"
+        )
     return "\n".join(lines)
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
-def plot(report: dict[str, Any], path: Path) -> bool:
-    """Throughput and dead tuples over time, per queue; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    for kind, color in zip(QUEUES, ("#888888", "#3b7dd8"), strict=True):
-        rows = [w for w in report["windows"] if w["queue"] == kind]
-        xs = [w["t"] + w["wall_seconds"] / 2 for w in rows]
-        label = "raw SKIP LOCKED" if kind == "raw" else f"lonnymq, {CHANNELS} channels"
-        top.plot(xs, [w["msgs_per_s"] for w in rows], "o-", color=color, label=label, ms=3)
-        bottom.plot(
-            xs,
-            [sum(t["dead_tuples"] for t in w["tables"].values()) for w in rows],
-            "o-",
-            color=color,
-            label=label,
-            ms=3,
-        )
-    events = {e["event"]: e["t"] for e in report["events"]}
-    for ax in (top, bottom):
-        if "hold start" in events and "hold end" in events:
-            ax.axvspan(events["hold start"], events["hold end"], color="#f2c14e", alpha=0.25)
-        if "vacuum" in events:
-            ax.axvline(events["vacuum"], color="#c0392b", linestyle="--")
-    top.set_ylabel("messages consumed / s")
-    top.set_yscale("log")
-    top.set_title(
-        "Steady load while a REPEATABLE READ transaction idles (shaded); dashed: manual VACUUM"
-    )
-    top.legend()
-    bottom.set_ylabel("dead tuples (pgstattuple)")
-    bottom.set_xlabel("seconds since the start")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+def dump(report: dict[str, Any]) -> str:
+    """``report`` as JSON, floats to 3 decimals, one line per window (a 30-minute run has
+    about 190 windows)."""
+    rounded = _rounded(report)
+    windows = rounded.pop("windows")
+    head = json.dumps(rounded, indent=1)
+    lines = ",\n".join(json.dumps(w, separators=(",", ":")) for w in windows)
+    return f'{head[:-2]},\n "windows": [\n{lines}\n ]\n}}\n'
 
 
 def run_long_txn(
@@ -586,29 +775,26 @@ def run_long_txn(
     schema: str = "lonnymq_long_txn",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the benchmark; print the table, write ``long_txn.json`` and ``long_txn.png`` to
-    ``out`` and return the report."""
+    """Run the benchmark; print the tables, write ``long_txn.json`` to ``out`` and return
+    the report."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     bench = LongTxnBench(dsn, settings, schema, log)
     started = time.perf_counter()
     log(
-        f"long transaction bench: {settings.clients} producers + {settings.clients} consumers "
-        f"per queue, windows of {settings.window:g}s, hold {settings.hold:g}s"
+        f"long transaction bench: a Worker of {settings.concurrency} handlers of "
+        f"{settings.handler_ms:g} ms, {settings.channels} channel(s), windows of "
+        f"{settings.window:g}s, holders {', '.join(settings.holders)} of {settings.hold:g}s each"
     )
-    with bench._admin() as conn:
-        autovacuum = conn.execute("SHOW autovacuum").fetchone()
-    log(f"autovacuum: {autovacuum[0] if autovacuum else '?'}")
     try:
         report = bench.run()
     finally:
         bench.teardown()
-        shutil.rmtree(bench.tmp, ignore_errors=True)
     report["seconds"] = time.perf_counter() - started
+    if not report["statements_measured"]:
+        log("(statements not measured: the server has no pg_stat_statements with track = all)")
     log("\n" + table(report))
-    (out_dir / "long_txn.json").write_text(json.dumps(report, indent=2))
-    if plot(report, out_dir / "long_txn.png"):
-        log(f"wrote {out_dir / 'long_txn.png'}")
+    (out_dir / "long_txn.json").write_text(dump(report))
     log(f"wrote {out_dir / 'long_txn.json'} ({report['seconds']:.0f}s)")
     return report
 
@@ -619,24 +805,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dsn", help="default: $LONNYMQ_DSN, else an embedded server (stopped at the end)"
     )
-    parser.add_argument("--hold", type=float, default=DEFAULT.hold, help="seconds held")
-    parser.add_argument("--baseline", type=float, default=DEFAULT.baseline)
-    parser.add_argument("--after", type=float, default=DEFAULT.after, help="each after phase")
-    parser.add_argument("--window", type=float, default=DEFAULT.window, help="seconds each")
-    parser.add_argument("--clients", type=int, default=DEFAULT.clients, help="per side")
-    parser.add_argument("--prefill", type=int, default=DEFAULT.prefill, help="backlog per queue")
+    d = DEFAULT
+    parser.add_argument("--hold", type=float, default=d.hold, help="seconds each holder holds")
+    parser.add_argument("--clean", type=float, default=d.clean, help="seconds before")
+    parser.add_argument("--recovery", type=float, default=d.recovery, help="seconds after each")
+    parser.add_argument("--window", type=float, default=d.window, help="seconds each")
+    parser.add_argument("--capacity", type=float, default=d.capacity, help="seconds measured")
+    parser.add_argument("--rate", type=float, help="messages/s offered (default: capacity / 2)")
+    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="handlers")
+    parser.add_argument("--handler-ms", type=float, default=d.handler_ms, help="handler sleep")
+    parser.add_argument("--channels", type=int, default=d.channels)
+    parser.add_argument(
+        "--holders", default=",".join(d.holders), help="idle, reader or idle,reader"
+    )
     parser.add_argument("--schema", default="lonnymq_long_txn")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     args = parser.parse_args(argv)
-    if args.quick:
-        settings = QUICK
-    else:
-        try:
-            settings = Settings(
-                args.baseline, args.hold, args.after, args.window, args.clients, args.prefill
+    try:
+        settings = (
+            QUICK
+            if args.quick
+            else Settings(
+                clean=args.clean,
+                hold=args.hold,
+                recovery=args.recovery,
+                window=args.window,
+                capacity=args.capacity,
+                rate=args.rate,
+                concurrency=args.concurrency,
+                handler_ms=args.handler_ms,
+                channels=args.channels,
+                holders=tuple(h.strip() for h in args.holders.split(",") if h.strip()),
             )
-        except InvalidArgumentError as err:
-            parser.error(str(err))
+        )
+    except InvalidArgumentError as err:
+        parser.error(str(err))
     run_long_txn(resolve_dsn(args.dsn), settings, out=args.out, schema=args.schema)
     return 0

@@ -379,14 +379,26 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--long-txn",
         action="store_true",
-        help="instead: throughput before, while and after another session holds a snapshot "
-        "(long_txn.json, long_txn.png)",
+        help="instead: a Worker under a steady load at half its capacity, before, while and "
+        "after another session holds the xmin horizon back (long_txn.json)",
     )
     bench.add_argument(
         "--hold",
         type=float,
-        default=os.environ.get("LONNYMQ_BENCH_HOLD") or "180",
-        help="with --long-txn: seconds the snapshot is held (env LONNYMQ_BENCH_HOLD)",
+        default=os.environ.get("LONNYMQ_BENCH_HOLD") or "600",
+        help="with --long-txn: seconds each holder holds the horizon (env LONNYMQ_BENCH_HOLD)",
+    )
+    bench.add_argument(
+        "--holders",
+        choices=("idle", "reader", "idle,reader"),
+        default="idle,reader",
+        help="with --long-txn: a session idle in a transaction, a long SELECT running, or one "
+        "after the other",
+    )
+    bench.add_argument(
+        "--rate",
+        type=float,
+        help="with --long-txn: messages/s offered (default: half the capacity, measured first)",
     )
 
     demo = command(
@@ -523,10 +535,11 @@ def _run(args: argparse.Namespace) -> int:
 
             if args.spark_only:
                 raise InvalidArgumentError("--long-txn and --spark-only are separate runs")
-            settings = (
-                bench_long_txn.QUICK
-                if args.quick
-                else replace(bench_long_txn.DEFAULT, hold=args.hold)
+            settings = replace(
+                bench_long_txn.QUICK if args.quick else bench_long_txn.DEFAULT,
+                holders=tuple(args.holders.split(",")),
+                rate=args.rate,
+                **({} if args.quick else {"hold": args.hold}),
             )
             bench_long_txn.run_long_txn(
                 _core.with_client_timeouts(resolve_dsn(args.dsn)), settings, out=args.out

@@ -1,6 +1,6 @@
 """``benchmarks/long_txn.py --quick`` and ``lonnymq bench --long-txn --quick`` run end to end
-(a smoke test: speed is never judged here): every phase ran for both queues, messages moved,
-and the held snapshot was seen."""
+(a smoke test: speed is never judged here): every phase ran, messages moved through the Worker,
+each window measured what it says, and the held horizon was seen."""
 
 from __future__ import annotations
 
@@ -14,8 +14,16 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from lonnymq.bench_long_txn import STATEMENTS, _statement_deltas
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "long_txn.py"
-PHASES = ("baseline", "hold", "after", "vacuumed")
+PHASES = [("clean", "idle"), ("idle", "idle"), ("recovery", "idle"),
+          ("clean", "reader"), ("reader", "reader"), ("recovery", "reader")]  # fmt: skip
+PROBES = {"expired_lock", "due_channel", "channel_head", "channel_row"}
+INDEXES = {
+    "message": {"message_pkey", "message_channel_head_ix", "message_unlock_ix", "message_dedup_ux"},
+    "channel": {"channel_pkey", "channel_ready_ix"},
+}
 
 
 @pytest.mark.slow
@@ -38,59 +46,82 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) ->
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "long_txn.json").read_text())
-    assert [e["event"] for e in report["events"]] == ["hold start", "hold end", "vacuum"]
+    assert [e["event"] for e in report["events"]] == [
+        "capacity measured", "load start", "idle start", "idle end",
+        "load start", "reader start", "reader end",
+    ]  # fmt: skip
+    assert report["capacity_per_s"] > 0
+    # The file keeps 3 decimals.
+    assert report["offered_per_s"] == pytest.approx(report["capacity_per_s"] / 2, abs=0.001)
 
     windows = report["windows"]
-    for phase in PHASES:
-        assert {w["queue"] for w in windows if w["phase"] == phase} == {"raw", "lonnymq"}
-    # Windows are in time order and the phases follow each other in order.
-    assert [w["t"] for w in windows] == sorted(w["t"] for w in windows)
-    order = [PHASES.index(w["phase"]) for w in windows]
+    # Every phase ran, in order, and windows are in time order.
+    order = [PHASES.index((w["phase"], w["holder"])) for w in windows]
     assert order == sorted(order)
+    assert set(order) == set(range(len(PHASES)))
+    assert [w["t"] for w in windows] == sorted(w["t"] for w in windows)
     for w in windows:
-        assert w["consumed"] > 0, w
-        assert w["produced"] > 0, w
-        # A window may log no call at all on a loaded machine (then None); most must. pgbench
-        # logs whole microseconds from a clock it reads lazily: 0 happens.
+        assert w["seconds"] > 0, w
+        assert w["created_per_s"] > 0, w
+        assert w["completed_per_s"] >= 0, w
+        assert w["backlog"] >= 0, w
         assert w["p50_ms"] is None or 0 <= w["p50_ms"] <= w["p99_ms"], w
-        tables = {"raw": {"raw_queue"}, "lonnymq": {"message", "channel"}}[w["queue"]]
-        assert set(w["tables"]) == tables
-        probes = {"raw": {"head"}, "lonnymq": {"ready_channel", "channel_head"}}[w["queue"]]
-        assert set(w["probes"]) == probes
+        assert set(w["tables"]) == {"message", "channel"}
+        for name, table in w["tables"].items():
+            assert table["heap_pages"] >= 0, table
+            assert table["n_dead_tup"] >= 0, table
+            assert set(table["index_pages"]) == INDEXES[name]
+            assert all(pages >= 1 for pages in table["index_pages"].values()), table
+        assert set(w["probes"]) == PROBES
         assert all(p["pages"] >= 1 for p in w["probes"].values()), w["probes"]
-        assert all(t["heap_bytes"] > 0 and t["n_dead_tup"] >= 0 for t in w["tables"].values())
-    for kind in ("raw", "lonnymq"):
-        mine = [w for w in windows if w["queue"] == kind]
-        assert 2 * sum(w["p50_ms"] is not None for w in mine) >= len(mine), mine
-    # While held, the snapshot is at least as old as every transaction since it was taken.
-    held = [w["oldest_xmin_age"] for w in windows if w["phase"] == "hold"]
+        if report["statements_measured"]:
+            assert set(w["statements"]) == set(STATEMENTS)
+        else:
+            assert w["statements"] is None
+            assert w["top_statements"] is None
+    # Messages went through the Worker: picked up and completed, in most windows.
+    assert sum(w["picked_up"] for w in windows) > 0
+    assert 2 * sum(w["completed_per_s"] > 0 for w in windows) >= len(windows)
+    # While held, the horizon is at least as old as the transactions since it was taken.
+    held = [w["horizon_age"] for w in windows if w["phase"] in ("idle", "reader")]
     assert all(age is not None and age > 0 for age in held)
 
-    for kind in ("raw", "lonnymq"):
-        summary = report["summary"][kind]
-        for phase in PHASES:
-            assert summary[phase]["msgs_per_s"] > 0
-            assert summary[phase]["consumed"] == sum(
-                w["consumed"] for w in windows if w["queue"] == kind and w["phase"] == phase
-            )
-        ratios = report["ratios"][kind]
-        assert ratios["hold"] == pytest.approx(
-            summary["hold"]["msgs_per_s"] / summary["baseline"]["msgs_per_s"]
-        )
-    assert report["ratios"]["lonnymq_to_raw"]["baseline"] == pytest.approx(
-        report["summary"]["lonnymq"]["baseline"]["msgs_per_s"]
-        / report["summary"]["raw"]["baseline"]["msgs_per_s"]
-    )
-    assert "x base" in result.stdout
-    assert "hold_end" in result.stdout
-    assert (tmp_path / "long_txn.png").stat().st_size > 0
+    summary = {(row["phase"], row["holder"]): row for row in report["summary"]}
+    assert set(summary) == {*PHASES, ("idle (last)", "idle"), ("reader (last)", "reader")}
+    for (phase, holder), row in summary.items():
+        mine = [w for w in windows if (w["phase"], w["holder"]) == (phase, holder)]
+        if mine:
+            assert row["windows"] == len(mine)
+            total = sum(w["seconds"] for w in mine)
+            assert row["seconds"] == pytest.approx(total, abs=0.001 * len(mine))
+    assert "x clean" in result.stdout
+    assert "recovery/reader" in result.stdout
     # The benchmark's schemas are gone.
     with psycopg.connect(dsn, autocommit=True) as conn:
         left = conn.execute(
             "SELECT count(*) FROM pg_namespace WHERE nspname IN (%s, %s)",
-            (schema, f"{schema}_raw"),
+            (schema, f"{schema}_aux"),
         ).fetchone()
     assert left == (0,)
+
+
+def test_statement_deltas_name_the_statements_of_a_window() -> None:
+    """What a window reports from two readings of pg_stat_statements (calls, pages, ms per
+    statement text): per named statement, and the statements that touched the most pages."""
+    head = "UPDATE message m SET x WHERE h.channel = v_channel.name AND NOT h.is_locked"
+    locked = "SELECT * FROM channel c WHERE c.next_dequeue_at <= v_now ORDER BY c.next_dequeue_at, c.turn LIMIT $1 FOR UPDATE SKIP LOCKED"  # noqa: E501
+    busy = "SELECT c.name FROM channel c WHERE c.next_dequeue_at <= v_now ORDER BY c.turn LIMIT $1"
+    before = {head: (10, 100, 1.0), locked: (5, 10, 0.5), busy: (3, 3, 0.1)}
+    after = {head: (14, 300, 3.0), locked: (5, 10, 0.5), busy: (5, 9, 0.3), "SELECT 1": (1, 0, 0)}
+    deltas = _statement_deltas(before, after)
+    named = deltas["named"]
+    assert named["channel_head"] == {"calls": 4, "pages_per_call": 50, "ms_per_call": 0.5}
+    # Not called in the window: no figure per call.
+    assert named["due_channel"] == {"calls": 0, "pages_per_call": None, "ms_per_call": None}
+    # The busy channel's look-up is told apart from the locking one by what it lacks.
+    assert named["busy_channel"]["calls"] == 2
+    assert named["busy_channel"]["pages_per_call"] == 3
+    assert [t["query"] for t in deltas["top"]] == [head, busy, "SELECT 1"]
 
 
 @pytest.mark.parametrize(
@@ -98,6 +129,7 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) ->
     [
         (["--long-txn", "--hold", "0"], "hold must be a positive number of seconds, got 0.0"),
         (["--long-txn", "--spark-only"], "--long-txn and --spark-only are separate runs"),
+        (["--long-txn", "--rate", "0"], "rate must be a positive number, got 0.0"),
     ],
 )
 def test_bench_long_txn_refuses_bad_options(
@@ -117,10 +149,22 @@ def test_bench_long_txn_refuses_bad_options(
     assert not (tmp_path / "long_txn.json").exists()
 
 
-def test_script_refuses_bad_durations(dsn: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--window", "-1"], "window must be a positive number of seconds, got -1.0"),
+        (["--holders", "nobody"], "holders must be one or more of idle, reader, got ('nobody',)"),
+        (["--concurrency", "0"], "concurrency must be between 1 and 256, got 0"),
+        (["--channels", "0"], "channels must be between 1 and 10000, got 0"),
+        (["--handler-ms", "-1"], "handler_ms must not be negative, got -1.0"),
+    ],
+)
+def test_script_refuses_bad_settings(
+    dsn: str, tmp_path: Path, args: list[str], message: str
+) -> None:
     env = {**os.environ, "LONNYMQ_DSN": dsn}
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--window", "-1", "--out", str(tmp_path)],
+        [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -128,5 +172,5 @@ def test_script_refuses_bad_durations(dsn: str, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 2
-    assert "window must be a positive number of seconds, got -1.0" in result.stderr
+    assert message in result.stderr
     assert not (tmp_path / "long_txn.json").exists()
