@@ -754,6 +754,11 @@ class Queue:
             "lock_ms": _core.check_lock_ms(lock_ms),
         }
         rows = self._fetch("message_complete_and_dequeue", params, conn)
+        return self._reported(rows)
+
+    def _reported(self, rows: list[Row]) -> DequeueBatch[Message]:
+        """The rows of a call that reports, then takes: a status per message reported, then
+        'locked' rows, or one 'empty' row with ``retry_at``."""
         completed = [row for row in rows if row[1] not in ("locked", "empty")]
         taken = [row[:1] + row[2:] for row in rows if row[1] == "locked"]
         empty = [row for row in rows if row[1] == "empty"]
@@ -794,14 +799,7 @@ class Queue:
                     raise
                 self._settle_refused = True
             else:
-                completed = [row for row in rows if row[1] not in ("locked", "empty")]
-                taken = [row[:1] + row[2:] for row in rows if row[1] == "locked"]
-                empty = [row for row in rows if row[1] == "empty"]
-                return DequeueBatch(
-                    messages=[self._message(row) for row in taken],
-                    retry_at=empty[0][8] if empty else None,
-                    completed=_core.ack_statuses(completed),
-                )
+                return self._reported(rows)
         return self._settle_granted(list(outcomes), params)
 
     def _settle_granted(

@@ -305,35 +305,9 @@ class AsyncWorker:
 
     def _settled(self, report: _policy.Report[_Run, AsyncMessage], status: AckStatus) -> None:
         self._running.pop(report.run, None)
-        message = report.outcome.message
-        meaning = _policy.settled(status)
-        if meaning is _policy.Settled.NOT_HELD:
-            # The handler may have deferred or finished the message itself.
-            log.info(
-                "message %s was no longer held when its handler returned",
-                message.id,
-                extra=_fields(message),
-            )
-            return
-        if meaning is _policy.Settled.FULL:
-            log.error(
-                "message %s: could not report the outcome (dead-letter channel %r is full); "
-                "its lock will expire",
-                message.id,
-                report.outcome.channel,
-                extra=_fields(message),
-            )
-            return
-        self._count(report.counter, message.channel)
-        if report.counter == _policy.GIVE_BACK:
-            log.warning("message %s given back", message.id, extra=_fields(message))
-        elif report.counter in (Action.FAIL.value, Action.DEAD_LETTER.value):
-            log.error(
-                "message %s failed for good after %s attempts",
-                message.id,
-                message.num_attempts,
-                extra=_fields(message),
-            )
+        counter = _policy.log_settled(log, report, status)
+        if counter is not None:
+            self._count(counter, report.outcome.message.channel)
 
     def _submit(self, run: _Run, outcome: Outcome[AsyncMessage], counter: str) -> None:
         """Queue ``run``'s outcome for the next flush."""

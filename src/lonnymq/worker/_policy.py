@@ -4,6 +4,7 @@ before and after its handler runs, retry delays, sleeps and reconnect delays."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import traceback
@@ -461,3 +462,44 @@ def settled(status: AckStatus) -> Settled:
     if status is AckStatus.FULL:
         return Settled.FULL
     return Settled.NOT_HELD
+
+
+class _Message(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def channel(self) -> str: ...
+    @property
+    def num_attempts(self) -> int: ...
+
+
+def log_settled(log: logging.Logger, report: Report[R, M], status: AckStatus) -> str | None:
+    """Log what a flush's ``status`` means for ``report``; the counter to add to, if any."""
+    message: _Message = report.outcome.message  # type: ignore[assignment]
+    fields = {"message_id": message.id, "channel": message.channel, "attempt": message.num_attempts}
+    meaning = settled(status)
+    if meaning is Settled.NOT_HELD:
+        # The handler may have deferred or finished the message itself.
+        log.info(
+            "message %s was no longer held when its handler returned", message.id, extra=fields
+        )
+        return None
+    if meaning is Settled.FULL:
+        log.error(
+            "message %s: could not report the outcome (dead-letter channel %r is full); "
+            "its lock will expire",
+            message.id,
+            report.outcome.channel,
+            extra=fields,
+        )
+        return None
+    if report.counter == GIVE_BACK:
+        log.warning("message %s given back", message.id, extra=fields)
+    elif report.counter in (Action.FAIL.value, Action.DEAD_LETTER.value):
+        log.error(
+            "message %s failed for good after %s attempts",
+            message.id,
+            message.num_attempts,
+            extra=fields,
+        )
+    return report.counter
