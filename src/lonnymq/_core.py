@@ -32,6 +32,8 @@ from .types import (
     CreateStatus,
     Discrepancy,
     NewMessage,
+    Outcome,
+    OutcomeKind,
     Policy,
     RoleKind,
 )
@@ -336,6 +338,49 @@ def check_pool_timeout(value: object) -> float:
             f"pool_timeout must be a finite number of seconds > 0, got {value!r}"
         )
     return float(value)
+
+
+def check_settle_limit(value: object) -> int:
+    """``settle``'s limit: 0 (take nothing) to ``MAX_DEQUEUE_LIMIT``."""
+    return 0 if _is_int(value) and value == 0 else check_limit(value)
+
+
+def settle_params(outcomes: object, *, schema: str) -> dict[str, list[Any]]:
+    """``message_settle``'s arrays for ``outcomes`` (each an :class:`Outcome`), checked."""
+    if isinstance(outcomes, bytes | str) or not isinstance(outcomes, Iterable):
+        raise InvalidArgumentError(
+            f"outcomes must be a sequence of Outcome, got {type(outcomes).__name__}"
+        )
+    items = list(outcomes)
+    for item in items:
+        if not isinstance(item, Outcome):
+            raise InvalidArgumentError(f"outcomes must be Outcome values, got {item!r}")
+    claims = check_claims([item.message for item in items], schema=schema)
+    params: dict[str, list[Any]] = {
+        "ids": [c[0] for c in claims],
+        "num_attempts": [c[1] for c in claims],
+        "outcomes": [],
+        "dequeue_ats": [],
+        "states": [],
+        "errors": [],
+        "channels": [],
+    }
+    for item in items:
+        try:
+            kind = OutcomeKind(item.kind)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"outcome kind must be one of {[k.value for k in OutcomeKind]}, got {item.kind!r}"
+            ) from None
+        gives_up = kind in (OutcomeKind.FAILED, OutcomeKind.DEAD_LETTERED)
+        params["outcomes"].append(kind.value)
+        params["dequeue_ats"].append(check_time("dequeue_at", item.dequeue_at))
+        params["states"].append(check_payload("state", item.state, optional=True))
+        params["errors"].append(check_error_text(item.error) if gives_up else None)
+        params["channels"].append(
+            check_target_channel(item.channel) if kind is OutcomeKind.DEAD_LETTERED else None
+        )
+    return params
 
 
 def check_error_text(error: object) -> str:

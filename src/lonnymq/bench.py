@@ -44,6 +44,7 @@ import psycopg
 from psycopg import sql
 
 from ._bench_env import drop_schemas, spark_unavailable
+from .bench_worker import run_worker_shape
 from .queue import Queue
 
 __all__ = ["Profile", "drop_schemas", "run_bench", "spark_unavailable"]
@@ -81,6 +82,9 @@ class Profile:
     probes: int
     wakeups: int
     worker_messages: int
+    worker_seconds: float
+    """How long each run of the worker shape is measured (twice: saturated, then paced)."""
+    worker_concurrency: tuple[int, ...]
 
 
 PROFILES = {
@@ -95,8 +99,12 @@ PROFILES = {
         300,
         200,
         20_000,
+        5.0,
+        (8, 32, 128),
     ),
-    "quick": Profile("quick", 1, 1, 4, (1, 100, 1_000), 5_000, (10**3, 10**4), 50, 20, 1_000),
+    "quick": Profile(
+        "quick", 1, 1, 4, (1, 100, 1_000), 5_000, (10**3, 10**4), 50, 20, 1_000, 0.5, (8, 32)
+    ),
 }
 
 
@@ -829,21 +837,48 @@ def run_bench(
     out: str | os.PathLike[str] = "benchmarks/results",
     log: Callable[[str], None] = print,
     spark_only: bool = False,
+    worker_only: bool = False,
     maintenance: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark; print a table, write ``bench.json`` and PNG plots to ``out``.
-    With ``spark_only``, only the Spark section runs (and no plot is drawn). Without
+    With ``spark_only``, only the Spark section runs (and no plot is drawn); with
+    ``worker_only``, only the worker shape (``bench_worker``), written to
+    ``bench_worker.json``. Without
     ``maintenance``, the timed runs go without the vacuuming a Worker would do."""
     chosen = PROFILES[profile]
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     bench = Bench(dsn, chosen, out_dir, log, maintenance=maintenance)
     try:
+        if worker_only:
+            return _run_worker_shape(bench)
         return _run_bench(bench, spark_only=spark_only)
     finally:
         bench.close()
         if bench.made_schemas:
             drop_schemas(dsn, *BENCH_SCHEMAS)
+
+
+def _run_worker_shape(bench: Bench) -> dict[str, Any]:
+    """The worker shape alone (``lonnymq bench --worker``): ``bench_worker.json``."""
+    with psycopg.connect(bench.dsn) as conn:
+        version = conn.execute("SHOW server_version").fetchone()
+    bench.log(
+        f"lonnymq bench --worker, profile {bench.profile.name}: PostgreSQL "
+        f"{version[0] if version else '?'}, {bench.profile.worker_seconds}s per phase"
+    )
+    started = time.perf_counter()
+    rows = run_worker_shape(bench)
+    report = {
+        "profile": asdict(bench.profile),
+        "server_version": version[0] if version else None,
+        "worker_shape": rows,
+        "seconds": time.perf_counter() - started,
+    }
+    path = bench.out / "bench_worker.json"
+    path.write_text(json.dumps(report, indent=2))
+    bench.log(f"wrote {path} ({report['seconds']:.0f}s)")
+    return report
 
 
 def _run_bench(bench: Bench, *, spark_only: bool) -> dict[str, Any]:
@@ -889,6 +924,9 @@ def _run_bench(bench: Bench, *, spark_only: bool) -> dict[str, Any]:
         wakeup = bench.wakeup()
         worker = bench.worker_drain()
         section_done("worker")
+        log("the worker shape (1 ms handlers, a backlog of 4,000):")
+        report["worker_shape"] = run_worker_shape(bench)
+        section_done("worker shape")
         raw_drain = _medians(results).get(("drain", 1))
         if raw_drain:
             worker["ratio_to_raw_drain"] = worker["msgs_per_s"] / raw_drain

@@ -367,6 +367,12 @@ def _parser() -> argparse.ArgumentParser:
         help="only the Spark section (batch write against raw COPY, streaming read)",
     )
     bench.add_argument(
+        "--worker",
+        action="store_true",
+        help="only the worker shape: Worker, AsyncWorker and the durable floor on a backlog "
+        "of 4,000 with 1 ms handlers, at 8, 32 and 128 slots (bench_worker.json)",
+    )
+    bench.add_argument(
         "--no-maintenance",
         action="store_true",
         help="time the queues without the vacuuming a worker does (default: both queues get it)",
@@ -533,8 +539,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.long_txn:
             from . import bench_long_txn
 
-            if args.spark_only:
-                raise InvalidArgumentError("--long-txn and --spark-only are separate runs")
+            for flag, given in (("--spark-only", args.spark_only), ("--worker", args.worker)):
+                if given:
+                    raise InvalidArgumentError(f"--long-txn and {flag} are separate runs")
             settings = replace(
                 bench_long_txn.QUICK if args.quick else bench_long_txn.DEFAULT,
                 holders=tuple(args.holders.split(",")),
@@ -545,11 +552,14 @@ def _run(args: argparse.Namespace) -> int:
                 _core.with_client_timeouts(resolve_dsn(args.dsn)), settings, out=args.out
             )
             return 0
+        if args.spark_only and args.worker:
+            raise InvalidArgumentError("--spark-only and --worker are separate runs")
         run_bench(
             _core.with_client_timeouts(resolve_dsn(args.dsn)),
             profile="quick" if args.quick else "default",
             out=args.out,
             spark_only=args.spark_only,
+            worker_only=args.worker,
             maintenance=not args.no_maintenance,
         )
         return 0

@@ -36,8 +36,10 @@ from .errors import (
     ChannelFullError,
     DatabaseError,
     InvalidArgumentError,
+    MessageNotFoundError,
     PermissionDeniedError,
     SchemaVersionError,
+    StaleMessageError,
     translate,
 )
 from .events import Event, MessageOutcome
@@ -51,6 +53,8 @@ from .types import (
     DequeueBatch,
     Discrepancy,
     NewMessage,
+    Outcome,
+    OutcomeKind,
     RoleGrant,
     RoleKind,
     Settings,
@@ -285,6 +289,9 @@ class AsyncQueue:
         # Set once maintain() was refused: it is not asked again (each refusal is an error in
         # the server's log, and a worker would ask every second).
         self._maintain_refused = False
+        # Set once settle() was refused (a worker role granted before it existed): it then
+        # reports through the calls that role may make.
+        self._settle_refused = False
         self._sql = _core.Statements(self._schema)
         self._recorder = Recorder()
         # The pool's connections (configured at READ COMMITTED): an operation passed one as
@@ -752,6 +759,11 @@ class AsyncQueue:
             "lock_ms": _core.check_lock_ms(lock_ms),
         }
         rows = await self._fetch("message_complete_and_dequeue", params, conn)
+        return self._reported(rows)
+
+    def _reported(self, rows: list[Row]) -> DequeueBatch[AsyncMessage]:
+        """The rows of a call that reports, then takes: a status per message reported, then
+        'locked' rows, or one 'empty' row with ``retry_at``."""
         completed = [row for row in rows if row[1] not in ("locked", "empty")]
         taken = [row[:1] + row[2:] for row in rows if row[1] == "locked"]
         empty = [row for row in rows if row[1] == "empty"]
@@ -760,6 +772,78 @@ class AsyncQueue:
             retry_at=empty[0][8] if empty else None,
             completed=_core.ack_statuses(completed),
         )
+
+    async def settle(
+        self,
+        outcomes: Sequence[Outcome[AsyncMessage]],
+        limit: int = 0,
+        *,
+        lock_ms: int,
+        conn: AsyncConnection[Any] | None = None,
+    ) -> DequeueBatch[AsyncMessage]:
+        """Report the outcomes of messages you hold and lock up to ``limit`` new ones (none
+        when 0), in one call and one transaction: a worker's group commit.
+
+        Each outcome (:class:`~lonnymq.Outcome`: complete, fail, defer with a time and state,
+        dead-letter) is fenced by the attempt its message was taken with: ``completed`` of the
+        result has one status per outcome, in order, ``stale`` for a message whose lock was
+        lost (left alone, as in :meth:`delete_many`) and ``full`` for a dead letter whose
+        channel is at its ``max_size`` (the message stays held). The rest is as
+        :meth:`dequeue_batch`. A role whose grants predate this call (the queue installed by
+        an older lonnymq, then upgraded) reports through the calls its kind may make, one per
+        kind of outcome, then dequeues: the same statuses, in several transactions.
+        """
+        params: dict[str, Any] = _core.settle_params(outcomes, schema=self._schema)
+        params["limit"] = _core.check_settle_limit(limit)
+        params["lock_ms"] = _core.check_lock_ms(lock_ms)
+        if not self._settle_refused or conn is not None:
+            try:
+                rows = await self._fetch("message_settle", params, conn)
+            except PermissionDeniedError:
+                if conn is not None:
+                    raise
+                self._settle_refused = True
+            else:
+                return self._reported(rows)
+        return await self._settle_granted(list(outcomes), params)
+
+    async def _settle_granted(
+        self, outcomes: list[Outcome[AsyncMessage]], params: dict[str, Any]
+    ) -> DequeueBatch[AsyncMessage]:
+        """:meth:`settle` through the calls a worker kind was granted before it existed."""
+        statuses: list[AckStatus] = [AckStatus.OK] * len(outcomes)
+        for kind, statement in (
+            (OutcomeKind.COMPLETED, "message_delete_many"),
+            (OutcomeKind.DEFERRED, "message_defer_many"),
+        ):
+            picked = [i for i, o in enumerate(outcomes) if o.kind is kind]
+            if not picked:
+                continue
+            names = ["ids", "num_attempts"] + (
+                ["dequeue_ats", "states"] if kind is OutcomeKind.DEFERRED else []
+            )
+            args = {name: [params[name][i] for i in picked] for name in names}
+            rows = await self._fetch(statement, args, None)
+            for i, status in zip(picked, _core.ack_statuses(rows), strict=True):
+                statuses[i] = status
+        for i, outcome in enumerate(outcomes):
+            try:
+                if outcome.kind is OutcomeKind.FAILED:
+                    await self.fail(outcome.message, error=params["errors"][i])
+                elif outcome.kind is OutcomeKind.DEAD_LETTERED:
+                    await self.dead_letter(
+                        outcome.message, channel=params["channels"][i], error=params["errors"][i]
+                    )
+            except MessageNotFoundError:
+                statuses[i] = AckStatus.NOT_FOUND
+            except StaleMessageError:
+                statuses[i] = AckStatus.STALE
+            except ChannelFullError:
+                statuses[i] = AckStatus.FULL
+        batch: DequeueBatch[AsyncMessage] = DequeueBatch(messages=[], retry_at=None)
+        if params["limit"]:
+            batch = await self.dequeue_batch(params["limit"], lock_ms=params["lock_ms"])
+        return replace(batch, completed=statuses)
 
     def _message(self, row: Row) -> AsyncMessage:
         message_id, channel, content, state, num_attempts, dequeue_at, unlock_at, _ = row

@@ -14,6 +14,8 @@ __all__ = [
     "DequeueBatch",
     "Discrepancy",
     "NewMessage",
+    "Outcome",
+    "OutcomeKind",
     "Policy",
     "RoleGrant",
     "RoleKind",
@@ -45,6 +47,9 @@ class AckStatus(StrEnum):
     BUSY = "busy"
     """``heartbeat_many`` only: another transaction holds the message's row right now (your
     own, finishing it, say), so its lock was not extended this time; nothing changed."""
+    FULL = "full"
+    """``settle`` only: a dead letter's channel is at its ``max_size``; nothing changed (the
+    message is still held, and comes back when its lock expires)."""
 
 
 class RoleKind(StrEnum):
@@ -159,10 +164,60 @@ class DequeueBatch(Generic[M]):
     ``retry_at`` (ms, database clock) is set only when ``messages`` is empty: the earliest
     time a message may become available (a waiting message falls due, or a lock expires). It
     is ``None`` when no servable channel has anything waiting and no message is locked.
-    ``completed`` holds, for ``complete_and_dequeue``, one status per message it finished
-    first, in order.
+    ``completed`` holds, for ``complete_and_dequeue`` and ``settle``, one status per message
+    it finished (or reported) first, in order.
     """
 
     messages: list[M]
     retry_at: int | None
     completed: list[AckStatus] = field(default_factory=list)
+
+
+class OutcomeKind(StrEnum):
+    """What ``settle`` does with a message you hold."""
+
+    COMPLETED = "completed"
+    """Finish it."""
+    FAILED = "failed"
+    """Finish it as failed (archived with ``error`` when the archive is on)."""
+    DEFERRED = "deferred"
+    """Give it back until ``dequeue_at`` (default now), ``state`` replacing its saved state
+    when given; it keeps its attempt count."""
+    DEAD_LETTERED = "dead_lettered"
+    """Create a copy of its content in ``channel`` and finish it as failed with ``error``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[M]):
+    """The outcome of one message you hold, for ``settle``: build it with :meth:`complete`,
+    :meth:`fail`, :meth:`defer` or :meth:`dead_letter`."""
+
+    message: M
+    kind: OutcomeKind
+    dequeue_at: int | None = None
+    state: bytes | None = None
+    error: str | None = None
+    channel: str | None = None
+
+    @classmethod
+    def complete(cls, message: M) -> Outcome[M]:
+        """The message is done."""
+        return cls(message, OutcomeKind.COMPLETED)
+
+    @classmethod
+    def fail(cls, message: M, *, error: str) -> Outcome[M]:
+        """The message failed for good, with ``error``."""
+        return cls(message, OutcomeKind.FAILED, error=error)
+
+    @classmethod
+    def defer(
+        cls, message: M, *, dequeue_at: int | None = None, state: bytes | None = None
+    ) -> Outcome[M]:
+        """Give the message back until ``dequeue_at`` (ms, default now); ``state``, when
+        given, replaces its saved state."""
+        return cls(message, OutcomeKind.DEFERRED, dequeue_at=dequeue_at, state=state)
+
+    @classmethod
+    def dead_letter(cls, message: M, *, channel: str, error: str) -> Outcome[M]:
+        """Move the message to ``channel`` (a copy of its content) and fail it with ``error``."""
+        return cls(message, OutcomeKind.DEAD_LETTERED, error=error, channel=channel)

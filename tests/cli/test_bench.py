@@ -25,6 +25,7 @@ from lonnymq.bench import (
     run_bench,
     spark_unavailable,
 )
+from lonnymq.bench_worker import run_worker_shape
 from lonnymq.spark.bench import message_copy
 
 
@@ -192,3 +193,55 @@ def test_the_spark_ceiling_copies_every_row_into_an_emptied_message_table(
             f"count(*) FILTER (WHERE channel = 'old') FROM \"{schema_name}\".message"
         ).fetchone() or (0, 0, 0, 0)
     assert (count, distinct, channels, old) == (1_001, 1_001, 100, 0)
+
+
+@pytest.mark.slow
+def test_the_worker_shape_measures_every_consumer_at_every_concurrency(
+    dsn: str, tmp_path: Path
+) -> None:
+    """The worker shape (``lonnymq bench --worker``) of the quick profile: the Worker, the
+    AsyncWorker and the durable floor each ran at each of the profile's concurrencies,
+    finished messages, and had handlers start in both phases (saturated and paced); each row
+    carries its ratio to the floor's. Schemas of its own, so that another session's bench on
+    the server cannot meet it."""
+    schemas = (f"t_{uuid.uuid4().hex[:16]}", f"t_{uuid.uuid4().hex[:16]}")
+    logged: list[str] = []
+    bench = Bench(dsn, PROFILES["quick"], tmp_path, logged.append, schemas=schemas)
+    try:
+        rows = run_worker_shape(bench)
+    finally:
+        bench.close()
+        drop_schemas(dsn, *schemas)
+    wanted = {
+        (name, concurrency)
+        for name in ("Worker", "AsyncWorker", "durable floor")
+        for concurrency in PROFILES["quick"].worker_concurrency
+    }
+    assert {(r["consumer"], r["concurrency"]) for r in rows} == wanted
+    assert len(rows) == len(wanted)
+    floors = {r["concurrency"]: r["msgs_per_s"] for r in rows if r["consumer"] == "durable floor"}
+    for r in rows:
+        assert r["msgs_per_s"] > 0
+        assert r["x_floor"] == pytest.approx(r["msgs_per_s"] / floors[r["concurrency"]])
+        for phase in ("pickup_saturated", "pickup_paced"):
+            p50, p99 = r[phase]["p50_ms"], r[phase]["p99_ms"]
+            assert p50 is not None
+            assert p99 is not None
+            assert 0 <= p50 <= p99
+        assert isinstance(r["kept_up"], bool)
+    assert len(logged) == len(wanted)
+    assert all("x floor" in line for line in logged)
+
+
+def test_bench_refuses_worker_with_another_single_section(tmp_path: Path) -> None:
+    for other in ("--spark-only", "--long-txn"):
+        result = subprocess.run(
+            [sys.executable, "-m", "lonnymq.cli", "bench", "--worker", other, "--out",
+             str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )  # fmt: skip
+        assert result.returncode != 0
+        assert "separate runs" in result.stderr

@@ -178,9 +178,11 @@ def test_async_worker_finishes_and_takes_the_next_message_in_one_call(
 
     stats, calls = asyncio.run(main())
     assert stats.completed == 30
-    assert calls.get("message_complete_and_dequeue") == 30
+    # Every completion was reported by the call that took the next message: one call per
+    # message, and a few more that only took (the first) or found the queue empty.
+    assert 30 <= calls.get("message_settle", 0) <= 33
     assert "message_delete" not in calls
-    assert calls.get("message_dequeue_many", 0) <= 3
+    assert "message_dequeue_many" not in calls
     assert all(s.size == 0 for s in sync.stats())
 
 

@@ -18,7 +18,7 @@ HELD_S = 1.5
 
 
 def _dequeue_calls(queue: Queue | AsyncQueue) -> int:
-    return sum(s.calls for s in queue.operation_stats() if s.name == "message_dequeue_many")
+    return sum(s.calls for s in queue.operation_stats() if s.name == "message_settle")
 
 
 def _run_in_thread(

@@ -115,7 +115,7 @@ def test_metrics_endpoint_serves_counters_histograms_and_depth(
     assert 'lonnymq_worker_messages_total{channel="m2",event="handler_error"} 1' in body
     assert 'lonnymq_handler_seconds_count{channel="m1"} 1' in body
     assert 'lonnymq_channel_size{channel="m2"} 1' in body
-    assert 'lonnymq_sql_calls_total{operation="message_dequeue_many"}' in body
+    assert 'lonnymq_sql_calls_total{operation="message_settle"}' in body
 
 
 def test_metrics_render_reads_sql_totals_after_the_counters() -> None:

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from lonnymq import AsyncMessage, AsyncQueue, Message, Queue
+from lonnymq import AsyncMessage, AsyncQueue, Message, OutcomeKind, Queue
 from lonnymq.errors import DatabaseUnavailableError
 from lonnymq.worker import AsyncWorker, Worker, WorkerStats
 
@@ -83,7 +83,7 @@ def _waiting_reports(admin: psycopg.Connection[Any]) -> list[int]:
     """Backends waiting for a lock in a statement that finishes a message."""
     rows = admin.execute(
         "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        " AND (query LIKE '%message_complete_and_dequeue%' OR query LIKE '%message_delete%')"
+        " AND (query LIKE '%message_settle%' OR query LIKE '%message_delete%')"
     ).fetchall()
     return [row[0] for row in rows]
 
@@ -212,17 +212,18 @@ def test_a_handler_given_back_that_raises_later_does_not_stop_the_next_run(
 
 
 class _StoppingQueue(Queue):
-    """A queue whose worker is told to stop while it finishes one message and takes the next
+    """A queue whose worker is told to stop while it reports one message and takes the next
     (the call then takes ``delay`` seconds more)."""
 
     worker: Worker | None = None
     delay = 0.0
 
-    def complete_and_dequeue(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.worker is not None
-        self.worker.stop()
-        time.sleep(self.delay)
-        return super().complete_and_dequeue(*args, **kwargs)
+    def settle(self, outcomes: Any, limit: int = 0, **kwargs: Any) -> Any:
+        if outcomes and limit:
+            assert self.worker is not None
+            self.worker.stop()
+            time.sleep(self.delay)
+        return super().settle(outcomes, limit, **kwargs)
 
 
 class _StoppingAsyncQueue(AsyncQueue):
@@ -231,11 +232,12 @@ class _StoppingAsyncQueue(AsyncQueue):
     worker: AsyncWorker | None = None
     delay = 0.0
 
-    async def complete_and_dequeue(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.worker is not None
-        self.worker.stop()
-        await asyncio.sleep(self.delay)
-        return await super().complete_and_dequeue(*args, **kwargs)
+    async def settle(self, outcomes: Any, limit: int = 0, **kwargs: Any) -> Any:
+        if outcomes and limit:
+            assert self.worker is not None
+            self.worker.stop()
+            await asyncio.sleep(self.delay)
+        return await super().settle(outcomes, limit, **kwargs)
 
 
 def test_a_message_taken_while_stopping_runs_within_the_grace_period(
@@ -425,26 +427,30 @@ def test_a_handler_deferring_its_own_message_is_not_counted_lost_while_reported(
     assert (channel.size, channel.in_flight) == (1, 0)
 
 
+def _gives_back(outcomes: Any) -> bool:
+    return any(o.kind is OutcomeKind.DEFERRED for o in outcomes)
+
+
 class _FlakyDeferQueue(Queue):
-    """A queue whose first defer fails as on a lost connection."""
+    """A queue whose first give-back (a report that defers) fails as on a lost connection."""
 
     failed = 0
 
-    def defer(self, *args: Any, **kwargs: Any) -> None:
-        if not self.failed:
+    def settle(self, outcomes: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.failed and _gives_back(outcomes):
             self.failed += 1
             raise DatabaseUnavailableError("connection lost (injected)")
-        super().defer(*args, **kwargs)
+        return super().settle(outcomes, *args, **kwargs)
 
 
 class _FlakyDeferAsyncQueue(AsyncQueue):
     failed = 0
 
-    async def defer(self, *args: Any, **kwargs: Any) -> None:
-        if not self.failed:
+    async def settle(self, outcomes: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.failed and _gives_back(outcomes):
             self.failed += 1
             raise DatabaseUnavailableError("connection lost (injected)")
-        await super().defer(*args, **kwargs)
+        return await super().settle(outcomes, *args, **kwargs)
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

@@ -32,6 +32,19 @@ FROM {schema}.message_complete_and_dequeue(
     p_limit => %(limit)s::integer,
     p_lock_ms => %(lock_ms)s::bigint)
 
+-- name: message_settle
+SELECT id, status, channel, content, state, num_attempts, dequeue_at, unlock_at, retry_at
+FROM {schema}.message_settle(
+    p_ids => %(ids)s::bigint[],
+    p_num_attempts => %(num_attempts)s::integer[],
+    p_outcomes => %(outcomes)s::text[],
+    p_dequeue_ats => %(dequeue_ats)s::bigint[],
+    p_states => %(states)s::bytea[],
+    p_errors => %(errors)s::text[],
+    p_channels => %(channels)s::text[],
+    p_limit => %(limit)s::integer,
+    p_lock_ms => %(lock_ms)s::bigint)
+
 -- name: message_heartbeat
 SELECT {schema}.message_heartbeat(
     p_id => %(id)s::bigint,

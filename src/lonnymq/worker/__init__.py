@@ -5,7 +5,10 @@
 batches to fill its free slots, runs at most ``concurrency`` handlers at once, renews each
 lock well before it expires, finishes messages whose handler returned, retries those that
 raised (deferred with backoff, their saved state kept) and, after ``max_attempts``, finishes
-them as failed (archived with the error) or moves them to a dead-letter channel. A message that
+them as failed (archived with the error) or moves them to a dead-letter channel. Outcomes are
+reported in groups: one waits at most ``flush_ms`` (or until ``batch_size`` wait, or until no
+handler runs) and a group goes in one call, ``queue.settle``, that also takes a message for
+every free slot; each outcome stays fenced by its attempt. A message that
 comes back past ``max_attempts`` (its workers crashed) is failed without running again. It
 fires the queue's periodic schedules, sleeps exactly until the next message is due, wakes at
 once on a NOTIFY when the queue publishes events, and rides out a lost database connection
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import queue
 import random
 import signal
 import threading
@@ -40,7 +44,7 @@ from ..errors import (
 )
 from ..metrics import WorkerMetrics
 from ..queue import Message, Queue
-from ..types import AckStatus
+from ..types import AckStatus, DequeueBatch, Outcome
 from . import _policy
 from ._async import AsyncWorker
 from ._policy import (
@@ -48,7 +52,6 @@ from ._policy import (
     REPORT_WAIT_S,
     Action,
     Backoff,
-    Decision,
     WorkerOptions,
     WorkerStats,
     error_text,
@@ -81,7 +84,11 @@ def _fields(message: Message) -> dict[str, object]:
 
 class Worker:
     """Runs ``handler(message)`` for the messages of ``queue`` in threads; see the module
-    docstring. A coroutine function handler runs in its thread's own event loop."""
+    docstring. A coroutine function handler runs in its thread's own event loop.
+
+    ``flush_ms`` (0 to 10,000) is the longest a finished handler's outcome waits for others
+    before they are reported together, and ``batch_size`` (1 to 10,000) the most reported in
+    one call (a full batch goes at once)."""
 
     def __init__(
         self,
@@ -97,6 +104,8 @@ class Worker:
         grace_s: float = 30.0,
         idle_ms: int = 5_000,
         maintenance_ms: int | None = 1_000,
+        flush_ms: int = 2,
+        batch_size: int = 100,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         if not isinstance(queue, Queue):
@@ -115,22 +124,26 @@ class Worker:
             grace_s=grace_s,
             idle_ms=idle_ms,
             maintenance_ms=maintenance_ms,
+            flush_ms=flush_ms,
+            batch_size=batch_size,
         )
         self.queue = queue
         self.handler = handler
         self.metrics = metrics or WorkerMetrics()
         self.stats = WorkerStats()
         self._stopping = threading.Event()
+        self._stopped_at = 0.0
         # stop() calls, all told and as of the end of the last run: a stop() asked for before
         # run() is kept, one left over from the previous run is not.
         self._stops = 0
         self._stops_seen = 0
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
-        # reporting when its message is taken again, as a second run of the same id.
+        # Every run until its outcome is reported, keyed by itself: a handler that yielded
+        # (deferred to now) may still be reporting when its message is taken again.
         self._running: dict[_Task, None] = {}
-        self._grace_over = False
+        self._pending: _policy.Pending[_Task, Message] = _policy.Pending()
+        self._slots: _Slots | None = None
         self._rng = random.Random()
         self._clock_offset_ms = 0
 
@@ -140,6 +153,11 @@ class Worker:
         """Ask the worker to stop: no more dequeues; running handlers get ``grace_s``. Asked
         before :meth:`run`, it makes that run return at once."""
         self._stops += 1
+        self._halt()
+
+    def _halt(self) -> None:
+        if not self._stopping.is_set():
+            self._stopped_at = time.monotonic()
         self._stopping.set()
         self._wake.set()
 
@@ -154,11 +172,14 @@ class Worker:
             _policy.check_dead_letter_channel(dead, self.queue.channel(dead).stats())
         if self._stops == self._stops_seen:
             self._stopping.clear()
+            self._stopped_at = 0.0
             if self._stops != self._stops_seen:
-                self._stopping.set()  # a stop() that came in between
+                self._halt()  # a stop() that came in between
+        elif not self._stopped_at:
+            self._stopped_at = time.monotonic()
         self.stats = WorkerStats()  # this run's (a later run does not add to what it returned)
-        self._grace_over = False
         previous = self._install_signals() if handle_signals else {}
+        self._slots = _Slots(self.options.concurrency, self._execute)
         helpers = [threading.Thread(target=self._heartbeats, daemon=True, name="lonnymq-hb")]
         if self.options.maintenance_ms is not None:
             helpers.append(
@@ -177,8 +198,9 @@ class Worker:
         try:
             self._loop(until_idle)
         finally:
-            self._stopping.set()
+            self._halt()
             self._shutdown()
+            self._slots.stop()
             self._stops_seen = self._stops
             self._wake.set()
             for sig, handler in previous.items():
@@ -198,53 +220,75 @@ class Worker:
             previous[sig] = signal.signal(sig, on_signal)
         return previous
 
-    # -- the dequeue loop ----------------------------------------------------------------
+    # -- the settle loop -----------------------------------------------------------------
 
     def _db_now(self) -> int:
         return int(time.time() * 1000) + self._clock_offset_ms
 
+    def _sleep(self, seconds: float) -> None:
+        """Sleep until woken (event, finished handler, stop) or ``seconds`` pass."""
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def _state(self) -> tuple[int, float | None]:
+        """Free slots once the waiting outcomes are reported, and when to report them."""
+        with self._lock:
+            pending = len(self._pending)
+            free = self.options.concurrency - len(self._running) + pending
+            wait = self._pending.wait_s(
+                time.monotonic(), len(self._running) - pending, self.options
+            )
+        return free, wait
+
     def _loop(self, until_idle: bool) -> None:
+        """Report the outcomes of the handlers that returned and take a message for every free
+        slot, in one call (``queue.settle``) per flush; sleep when there is nothing to do."""
         failures = 0
         empties = 0  # empty answers in a row that said "due now"
-        measured = False
+        sleep_s: float | None = None  # after an empty take: how long to sleep unless woken
+        samples: list[tuple[float, int, float]] = []
         while not self._stopping.is_set():
-            with self._lock:
-                free = self.options.concurrency - len(self._running)
-            if free <= 0:
-                self._wake.wait(self.options.idle_ms / 1000)
-                self._wake.clear()
+            if len(samples) < _policy.CLOCK_SAMPLES:
+                # Database clock minus local clock, so that sleeps follow the queue's clock.
+                try:
+                    sent = time.time()
+                    db_ms = self.queue.now()
+                    samples.append((sent, db_ms, time.time()))
+                except DatabaseError as err:
+                    failures += 1
+                    self._after_failure("dequeue", err, failures)
+                    continue
+                self._clock_offset_ms = _policy.clock_offset(samples)
+                continue
+            free, wait = self._state()
+            if wait is None and (free <= 0 or sleep_s is not None):
+                self._sleep(self.options.idle_ms / 1000 if free <= 0 else sleep_s or 0.0)
+                sleep_s = None
+                continue
+            if wait is not None and wait > 0:
+                self._sleep(wait)
                 continue
             try:
-                if not measured:
-                    # Database clock minus local clock, so that sleeps follow the queue's clock.
-                    samples = []
-                    for _ in range(_policy.CLOCK_SAMPLES):
-                        sent = time.time()
-                        db_ms = self.queue.now()
-                        samples.append((sent, db_ms, time.time()))
-                    self._clock_offset_ms = _policy.clock_offset(samples)
-                    measured = True
-                batch = self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
-                idle = until_idle and not batch.messages and self._idle(batch.retry_at)
+                batch = self._flush(free)
                 failures = 0
             except DatabaseError as err:
                 failures += 1
-                delay = _policy.reconnect_delay(failures)
-                log.warning("dequeue failed (%s); retrying in %.1fs", err, delay)
-                self._stopping.wait(delay)
+                self._after_failure("dequeue", err, failures)
                 continue
-            for message in batch.messages:
-                self._start(message)
             if batch.messages:
                 empties = 0
                 continue
-            if idle:
+            if until_idle and self._idle(batch.retry_at):
                 return
             wait_ms, empties = _policy.sleep_ms(
                 batch.retry_at, self._db_now(), self.options.idle_ms, empties
             )
-            self._wake.wait(wait_ms / 1000)
-            self._wake.clear()
+            sleep_s = wait_ms / 1000
+
+    def _after_failure(self, what: str, err: LonnyMQError, failures: int) -> None:
+        delay = _policy.reconnect_delay(failures)
+        log.warning("%s failed (%s); retrying in %.1fs", what, err, delay)
+        self._stopping.wait(delay)
 
     def _idle(self, retry_at: int | None) -> bool:
         with self._lock:
@@ -254,67 +298,90 @@ class Worker:
             return True
         return _policy.only_schedules_left(self.queue.stats())
 
-    def _start(self, message: Message) -> None:
-        task = _Task(message)
+    def _flush(self, limit: int) -> DequeueBatch[Message]:
+        """One call: report up to ``batch_size`` waiting outcomes (retried while the pool
+        reconnects) and take up to ``limit`` messages (none once stopping), which start at once
+        (or, taken after the grace period, are given back unrun). Raises ``DatabaseError``
+        only when there was nothing to report."""
         with self._lock:
-            self._running[task] = None
+            reports = self._pending.take(self.options.batch_size, time.monotonic())
+        if self._stopping.is_set():
+            limit = 0
+        outcomes = [r.outcome for r in reports]
+        for attempt in range(1, REPORT_TRIES + 1):
+            try:
+                batch = self.queue.settle(outcomes, limit, lock_ms=self.options.lock_ms)
+                break
+            except LonnyMQError as err:
+                if not reports:
+                    raise
+                if isinstance(err, DatabaseError) and attempt < REPORT_TRIES:
+                    delay = _policy.reconnect_delay(attempt)
+                    log.warning("report failed (%s); trying again in %.1fs", err, delay)
+                    time.sleep(delay)
+                    continue
+                with self._lock:
+                    for report in reports:
+                        self._running.pop(report.run, None)
+                        report.run.done.set()
+                for report in reports:
+                    log.error(
+                        "message %s: could not report the outcome (%s); its lock will expire",
+                        report.outcome.message.id,
+                        err,
+                        extra=_fields(report.outcome.message),
+                    )
+                return DequeueBatch(messages=[], retry_at=None)
+        for report, status in zip(reports, batch.completed, strict=True):
+            self._settled(report, status)
+        assert self._slots is not None
+        late = self._stopping.is_set() and self._past_grace()
+        for message in batch.messages:
+            task = _Task(message)
+            with self._lock:
+                self._running[task] = None
+                self.metrics.running = len(self._running)
+            self.metrics.count("dequeued", message.channel)
+            if late:
+                # Taken by a call that outlasted the grace period: given back unrun.
+                task.reporting = task.giving_back = True
+                self._submit(task, Outcome.defer(message), _policy.GIVE_BACK)
+            else:
+                self._slots.start(task)
+        return batch
+
+    def _past_grace(self) -> bool:
+        return time.monotonic() >= self._stopped_at + self.options.grace_s
+
+    def _settled(self, report: _policy.Report[_Task, Message], status: AckStatus) -> None:
+        with self._lock:
+            self._running.pop(report.run, None)
             self.metrics.running = len(self._running)
-        self.metrics.count("dequeued", message.channel)
-        # Daemon threads: a handler that outlives the grace period (its message already given
-        # back) must not keep the process alive.
-        threading.Thread(
-            target=self._execute, args=(task,), daemon=True, name="lonnymq-handler"
-        ).start()
+        report.run.done.set()
+        counter = _policy.log_settled(log, report, status)
+        if counter is not None:
+            self._count(counter, report.outcome.message.channel)
+
+    def _submit(self, task: _Task, outcome: Outcome[Message], counter: str) -> None:
+        """Queue ``task``'s outcome for the next flush."""
+        with self._lock:
+            self._pending.add(_policy.Report(task, outcome, counter), time.monotonic())
+        self._wake.set()
 
     # -- one message -----------------------------------------------------------------------
 
     def _execute(self, task: _Task) -> None:
-        """Run the task's message; when finishing it hands this thread the next message
-        (one transaction: see :meth:`_apply`), run that one too, and so on."""
-        while True:
-            following: Message | None = None
-            try:
-                following = self._run(task)
-            finally:
-                with self._lock:
-                    self._running.pop(task, None)
-                    # Under the lock that _shutdown takes to list what still runs: the next
-                    # message replaces this one in the list at once, never left unlisted.
-                    # One taken while stopping runs too, within the grace period: given back
-                    # unrun, it would have spent an attempt (the dequeue counted one) that a
-                    # later max_attempts check would hold against it.
-                    # Once the grace period is over (_shutdown has listed what to give back),
-                    # the next message is given back unrun instead, listed as being reported
-                    # so that _shutdown waits for it.
-                    done = task
-                    give_back = following is not None and self._grace_over
-                    if following is not None:
-                        task = _Task(following)
-                        task.reporting = task.giving_back = give_back
-                        self._running[task] = None
-                    self.metrics.running = len(self._running)
-                done.done.set()
-                if following is None:
-                    self._wake.set()
-            if following is None:
-                return
-            self.metrics.count("dequeued", following.channel)
-            if give_back:
-                try:
-                    self._give_back(following, "taken after the grace period")
-                finally:
-                    with self._lock:
-                        self._running.pop(task, None)
-                        self.metrics.running = len(self._running)
-                    task.done.set()
-                return
-
-    def _run(self, task: _Task) -> Message | None:
-        """Run one message's handler and report its outcome; returns the next message when
-        the report also took one."""
+        """Run one message's handler and queue its outcome for the next flush (a schedule's
+        driver is fired at once)."""
         message = task.message
+        submitted = False
         try:
             decision = _policy.before_run(message, self.options)
+            if decision.action is Action.FIRE:
+                with self._lock:
+                    task.reporting = True
+                self._fire_with_retries(message)
+                return
             if decision.action is Action.RUN:
                 started = time.perf_counter()
                 error: BaseException | None = None
@@ -350,7 +417,7 @@ class Worker:
                         "given back" if task.abandoned else "lost",
                         extra=_fields(message),
                     )
-                    return None
+                    return
                 decision = _policy.after_run(
                     message, error, self.options, self._db_now(), self._rng
                 )
@@ -365,92 +432,53 @@ class Worker:
             else:
                 with self._lock:
                     task.reporting = True
-            return self._apply_with_retries(message, decision)
-        except StaleMessageError:
-            # The handler may have deferred or finished the message itself.
-            log.info(
-                "message %s was no longer held when its handler returned",
-                message.id,
-                extra=_fields(message),
-            )
-        except LonnyMQError as err:
-            log.error(
-                "message %s: could not report the outcome (%s); its lock will "
-                "expire and it will be retried",
-                message.id,
-                err,
-                extra=_fields(message),
-            )
-        return None
+            self._submit(task, _policy.outcome_of(message, decision), decision.action.value)
+            submitted = True
+        finally:
+            if not submitted:
+                with self._lock:
+                    self._running.pop(task, None)
+                    self.metrics.running = len(self._running)
+                task.done.set()
+                self._wake.set()
 
-    def _apply_with_retries(self, message: Message, decision: Decision) -> Message | None:
-        """Report the outcome, riding out a lost connection (the pool reconnects) or a deadlock."""
+    def _fire_with_retries(self, message: Message) -> None:
+        """Fire a schedule's driver, riding out a lost connection (the pool reconnects)."""
         for attempt in range(1, REPORT_TRIES + 1):
             try:
-                return self._apply(message, decision)
-            except DatabaseError as err:
-                if attempt == REPORT_TRIES:
-                    raise
+                self._fire(message)
+                return
+            except StaleMessageError:
+                log.info("schedule driver %s was no longer held", message.id)
+                return
+            except LonnyMQError as err:
+                if not isinstance(err, DatabaseError) or attempt == REPORT_TRIES:
+                    log.error(
+                        "schedule driver %s: could not fire (%s); its lock will expire",
+                        message.id,
+                        err,
+                    )
+                    return
                 delay = _policy.reconnect_delay(attempt)
-                log.warning("report failed (%s); trying again in %.1fs", err, delay)
+                log.warning("firing failed (%s); trying again in %.1fs", err, delay)
                 time.sleep(delay)
-        return None
 
-    def _apply(self, message: Message, decision: Decision) -> Message | None:
-        """The one place that finishes, retries or fires a message. Completing a message also
-        takes the next one in the same transaction (one commit per message in the steady
-        state), unless the worker is stopping; that message is returned."""
-        action = decision.action
-        following: Message | None = None
-        if action is Action.FIRE:
-            try:
-                firing = self.queue.fire_schedule(message)
-            except InvalidArgumentError as err:  # not a driver: it would come back forever
-                message.fail(error=f"not a schedule driver: {err}")
-                self._count("failed", message.channel)
-                return None
-            if firing.full:
-                log.warning(
-                    "schedule driver %s: the task's channel is full; trying again at %s",
-                    message.id,
-                    firing.next_at,
-                    extra=_fields(message),
-                )
-            elif firing.fire_at is not None:
-                self._count("fired", message.channel)
-            return None
-        if action is Action.COMPLETE and self._stopping.is_set():
-            message.delete()
-        elif action is Action.COMPLETE:
-            batch = self.queue.complete_and_dequeue([message], 1, lock_ms=self.options.lock_ms)
-            following = batch.messages[0] if batch.messages else None
-            if batch.completed[0] is not AckStatus.OK:
-                # The handler may have deferred or finished the message itself.
-                log.info(
-                    "message %s was no longer held when its handler returned",
-                    message.id,
-                    extra=_fields(message),
-                )
-                return following
-        elif action is Action.RETRY:
-            message.defer(dequeue_at=decision.dequeue_at)
-        elif action is Action.DEAD_LETTER:
-            assert decision.channel is not None
-            assert decision.error is not None
-            self.queue.dead_letter(message, channel=decision.channel, error=decision.error)
-        else:
-            assert decision.error is not None
-            message.fail(error=decision.error)
-        self._count(action.value, message.channel)
-        if action in (Action.FAIL, Action.DEAD_LETTER):
-            log.error(
-                "message %s failed for good after %s attempts: %s",
+    def _fire(self, message: Message) -> None:
+        try:
+            firing = self.queue.fire_schedule(message)
+        except InvalidArgumentError as err:  # not a driver: it would come back forever
+            message.fail(error=f"not a schedule driver: {err}")
+            self._count("failed", message.channel)
+            return
+        if firing.full:
+            log.warning(
+                "schedule driver %s: the task's channel is full; trying again at %s",
                 message.id,
-                message.num_attempts,
-                (decision.error or "").splitlines()[-1:],
+                firing.next_at,
                 extra=_fields(message),
             )
-        return following
+        elif firing.fire_at is not None:
+            self._count("fired", message.channel)
 
     def _count(self, outcome: str, channel: str) -> None:
         self.metrics.count(outcome, channel)
@@ -558,59 +586,70 @@ class Worker:
                 self._stopping.wait(_policy.reconnect_delay(failures))
 
     def _shutdown(self) -> None:
-        """Give running handlers ``grace_s`` to finish, then give their messages back; wait
-        (at most ``REPORT_WAIT_S``) for the outcomes of those that did to be reported."""
-        deadline = time.monotonic() + self.options.grace_s
-        while time.monotonic() < deadline:
+        """Keep reporting outcomes while running handlers get ``grace_s`` (from the stop) to
+        finish; then give back the messages of those that did not, with the outcomes still
+        waiting, and report them (for at most ``REPORT_WAIT_S``)."""
+        while True:
             with self._lock:
-                if not self._running:
-                    return
-            time.sleep(0.02)
+                running = bool(self._running)
+            if not running or self._past_grace():
+                break
+            _, wait = self._state()
+            if wait is not None and wait <= 0:
+                self._flush(0)
+                continue
+            until_grace = self._stopped_at + self.options.grace_s - time.monotonic()
+            self._sleep(max(0.0, until_grace if wait is None else min(wait, until_grace)))
         with self._lock:
-            # A run whose handler has returned is reporting (perhaps retrying after a lost
-            # connection): giving its message back too would race the report, and when the
-            # give-back won, the finished work would run again.
-            self._grace_over = True
-            tasks = [t for t in self._running if not t.done.is_set() and not t.reporting]
-            for task in tasks:
+            # A run whose handler has returned is reported, never given back too.
+            abandoned = [t for t in self._running if not t.reporting]
+            for task in abandoned:
                 task.abandoned = True
-            reporting = [t for t in self._running if t.reporting]
-        for task in tasks:
-            self._give_back(task.message, "its handler outlived the grace period")
-        wait_until = time.monotonic() + REPORT_WAIT_S
-        for task in reporting:
-            task.done.wait(max(0.0, wait_until - time.monotonic()))
-        # A report that took a message after the listing gives it back (_execute): wait for it.
-        while time.monotonic() < wait_until:
+        for task in abandoned:
+            # Its thread is left to die with the process.
+            self._submit(task, Outcome.defer(task.message), _policy.GIVE_BACK)
+            log.warning(
+                "message %s: its handler outlived the grace period: giving it back",
+                task.message.id,
+                extra=_fields(task.message),
+            )
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while True:
             with self._lock:
-                # (Handlers that outlived the grace period are not waited for: their messages
-                # are given back and their threads left to die with the process.)
-                if all(t.abandoned for t in self._running):
-                    break
-            time.sleep(0.02)
+                pending = bool(self._pending)
+            if not pending or time.monotonic() >= deadline:
+                break
+            self._flush(0)
 
-    def _give_back(self, message: Message, why: str) -> None:
-        """Unlock a message whose handler outlived the grace period, or one taken once it was over
-        (defer keeps its attempt count: the dequeue's attempt is spent). A lost connection or
-        a deadlock is ridden out as a report is (the pool reconnects)."""
-        for attempt in range(1, REPORT_TRIES + 1):
-            try:
-                message.defer()
-            except LonnyMQError as err:
-                if isinstance(err, DatabaseError) and attempt < REPORT_TRIES:
-                    delay = _policy.reconnect_delay(attempt)
-                    log.warning("give-back failed (%s); trying again in %.1fs", err, delay)
-                    time.sleep(delay)
-                    continue
-                log.error(
-                    "message %s could not be given back (%s); its lock will expire",
-                    message.id,
-                    err,
-                )
-                return
-            self._count("given_back", message.channel)
-            log.warning("message %s given back: %s", message.id, why, extra=_fields(message))
-            return
+
+class _Slots:
+    """``size`` daemon threads that run ``target(task)`` for each task started, started as
+    needed and reused (a handler's thread-local state, such as a client session, lasts):
+    a handler that outlives the grace period, its message already given back, must not keep
+    the process alive, or its work would run twice."""
+
+    def __init__(self, size: int, target: Callable[[_Task], None]) -> None:
+        self._size = size
+        self._target = target
+        self._started = 0
+        self._work: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+
+    def start(self, task: _Task) -> None:
+        if not self._idle.acquire(blocking=False) and self._started < self._size:
+            self._started += 1
+            threading.Thread(target=self._serve, daemon=True, name="lonnymq-handler").start()
+        self._work.put(task)
+
+    def stop(self) -> None:
+        """Let the threads end once they are idle (no waiting for them)."""
+        for _ in range(self._started):
+            self._work.put(None)
+
+    def _serve(self) -> None:
+        while (task := self._work.get()) is not None:
+            self._target(task)
+            self._idle.release()
 
 
 async def _awaited(result: Any) -> None:

@@ -29,14 +29,13 @@ from ..errors import (
 )
 from ..metrics import WorkerMetrics
 from ..queue_async import AsyncMessage, AsyncQueue
-from ..types import AckStatus
+from ..types import AckStatus, DequeueBatch, Outcome
 from . import _policy
 from ._policy import (
     REPORT_TRIES,
     REPORT_WAIT_S,
     Action,
     Backoff,
-    Decision,
     WorkerOptions,
     WorkerStats,
 )
@@ -70,7 +69,8 @@ class AsyncWorker:
     """Runs ``handler(message)`` for the messages of an :class:`~lonnymq.AsyncQueue`: a
     coroutine function as a task, a plain function in a daemon thread (at most
     ``concurrency`` run at once). Same options and behaviour as :class:`~lonnymq.worker.Worker`;
-    ``await worker.run()``."""
+    ``await worker.run()``. With many slots this is the faster of the two: its handlers are
+    tasks on one event loop, not threads."""
 
     def __init__(
         self,
@@ -86,6 +86,8 @@ class AsyncWorker:
         grace_s: float = 30.0,
         idle_ms: int = 5_000,
         maintenance_ms: int | None = 1_000,
+        flush_ms: int = 2,
+        batch_size: int = 100,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         if not isinstance(queue, AsyncQueue):
@@ -104,21 +106,24 @@ class AsyncWorker:
             grace_s=grace_s,
             idle_ms=idle_ms,
             maintenance_ms=maintenance_ms,
+            flush_ms=flush_ms,
+            batch_size=batch_size,
         )
         self.queue = queue
         self.handler = handler
         self.metrics = metrics or WorkerMetrics()
         self.stats = WorkerStats()
         self._stopping = asyncio.Event()
+        self._stopped_at = 0.0
         # stop() calls, all told and as of the end of the last run: a stop() asked for before
         # run() is kept, one left over from the previous run is not.
         self._stops = 0
         self._stops_seen = 0
         self._wake = asyncio.Event()
-        # Every run, keyed by itself: a handler that yielded (deferred to now) may still be
-        # reporting when its message is taken again, as a second run of the same id.
+        # Every run until its outcome is reported, keyed by itself: a handler that yielded
+        # (deferred to now) may still be reporting when its message is taken again.
         self._running: dict[_Run, None] = {}
-        self._grace_over = False
+        self._pending: _policy.Pending[_Run, AsyncMessage] = _policy.Pending()
         self._rng = random.Random()
         self._clock_offset_ms = 0
         self._threads: _HandlerThreads | None = None
@@ -127,6 +132,8 @@ class AsyncWorker:
         """Ask the worker to stop (call it from the worker's event loop). Asked before
         :meth:`run`, it makes that run return at once."""
         self._stops += 1
+        if not self._stopping.is_set():
+            self._stopped_at = time.monotonic()
         self._stopping.set()
         self._wake.set()
 
@@ -141,8 +148,9 @@ class AsyncWorker:
             _policy.check_dead_letter_channel(dead, await self.queue.channel(dead).stats())
         if self._stops == self._stops_seen:
             self._stopping.clear()
+        elif not self._stopped_at:
+            self._stopped_at = time.monotonic()
         self.stats = WorkerStats()  # this run's (a later run does not add to what it returned)
-        self._grace_over = False
         loop = asyncio.get_running_loop()
         signals = []
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -157,10 +165,13 @@ class AsyncWorker:
         try:
             await self._loop(until_idle)
         finally:
-            self._stopping.set()
+            if not self._stopping.is_set():  # the end of the run, not a stop() asked for
+                self._stopped_at = time.monotonic()
+                self._stopping.set()
             await self._shutdown()
             self._threads.stop()
             self._stops_seen = self._stops
+            self._stopped_at = 0.0
             for helper in helpers:
                 helper.cancel()
             for helper in helpers:
@@ -170,60 +181,71 @@ class AsyncWorker:
                 loop.remove_signal_handler(sig)
         return self.stats
 
-    # -- the dequeue loop ----------------------------------------------------------------
+    # -- the settle loop -----------------------------------------------------------------
 
     def _db_now(self) -> int:
         return int(time.time() * 1000) + self._clock_offset_ms
 
     async def _sleep(self, seconds: float) -> None:
         """Sleep until woken (event, finished handler, stop) or ``seconds`` pass."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
+        if not self._wake.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), seconds)
         self._wake.clear()
 
     async def _loop(self, until_idle: bool) -> None:
+        """Report the outcomes of the handlers that returned and take a message for every free
+        slot, in one call (``queue.settle``) per flush; sleep when there is nothing to do."""
         failures = 0
         empties = 0  # empty answers in a row that said "due now"
-        measured = False
+        sleep_s: float | None = None  # after an empty take: how long to sleep unless woken
+        samples: list[tuple[float, int, float]] = []
         while not self._stopping.is_set():
-            free = self.options.concurrency - len(self._running)
-            if free <= 0:
-                await self._sleep(self.options.idle_ms / 1000)
+            if len(samples) < _policy.CLOCK_SAMPLES:
+                # Database clock minus local clock, so that sleeps follow the queue's clock.
+                try:
+                    sent = time.time()
+                    db_ms = await self.queue.now()
+                    samples.append((sent, db_ms, time.time()))
+                except DatabaseError as err:
+                    failures += 1
+                    await self._after_failure("dequeue", err, failures)
+                    continue
+                self._clock_offset_ms = _policy.clock_offset(samples)
+                continue
+            free = self.options.concurrency - len(self._running) + len(self._pending)
+            wait = self._pending.wait_s(
+                time.monotonic(), len(self._running) - len(self._pending), self.options
+            )
+            if wait is None and (free <= 0 or sleep_s is not None):
+                await self._sleep(self.options.idle_ms / 1000 if free <= 0 else sleep_s or 0.0)
+                sleep_s = None
+                continue
+            if wait is not None and wait > 0:
+                await self._sleep(wait)
                 continue
             try:
-                if not measured:
-                    samples = []
-                    for _ in range(_policy.CLOCK_SAMPLES):
-                        sent = time.time()
-                        db_ms = await self.queue.now()
-                        samples.append((sent, db_ms, time.time()))
-                    self._clock_offset_ms = _policy.clock_offset(samples)
-                    measured = True
-                batch = await self.queue.dequeue_batch(free, lock_ms=self.options.lock_ms)
-                idle = until_idle and not batch.messages and await self._idle(batch.retry_at)
+                batch = await self._flush(free)
                 failures = 0
             except DatabaseError as err:
                 failures += 1
-                delay = _policy.reconnect_delay(failures)
-                log.warning("dequeue failed (%s); retrying in %.1fs", err, delay)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), delay)
+                await self._after_failure("dequeue", err, failures)
                 continue
-            for message in batch.messages:
-                run = _Run(message)
-                self._running[run] = None
-                self.metrics.running = len(self._running)
-                self.metrics.count("dequeued", message.channel)
-                run.task = asyncio.create_task(self._execute(run))
             if batch.messages:
                 empties = 0
                 continue
-            if idle:
+            if until_idle and not self._running and await self._idle(batch.retry_at):
                 return
             wait_ms, empties = _policy.sleep_ms(
                 batch.retry_at, self._db_now(), self.options.idle_ms, empties
             )
-            await self._sleep(wait_ms / 1000)
+            sleep_s = wait_ms / 1000
+
+    async def _after_failure(self, what: str, err: LonnyMQError, failures: int) -> None:
+        delay = _policy.reconnect_delay(failures)
+        log.warning("%s failed (%s); retrying in %.1fs", what, err, delay)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
 
     async def _idle(self, retry_at: int | None) -> bool:
         if self._running:
@@ -231,6 +253,66 @@ class AsyncWorker:
         if retry_at is None:
             return True
         return _policy.only_schedules_left(await self.queue.stats())
+
+    async def _flush(self, limit: int) -> DequeueBatch[AsyncMessage]:
+        """One call: report up to ``batch_size`` waiting outcomes (retried while the pool
+        reconnects) and take up to ``limit`` messages (none once stopping), which start at once
+        (or, taken after the grace period, are given back unrun). Raises ``DatabaseError``
+        only when there was nothing to report."""
+        reports = self._pending.take(self.options.batch_size, time.monotonic())
+        if self._stopping.is_set():
+            limit = 0
+        outcomes = [r.outcome for r in reports]
+        for attempt in range(1, REPORT_TRIES + 1):
+            try:
+                batch = await self.queue.settle(outcomes, limit, lock_ms=self.options.lock_ms)
+                break
+            except LonnyMQError as err:
+                if not reports:
+                    raise
+                if isinstance(err, DatabaseError) and attempt < REPORT_TRIES:
+                    delay = _policy.reconnect_delay(attempt)
+                    log.warning("report failed (%s); trying again in %.1fs", err, delay)
+                    await asyncio.sleep(delay)
+                    continue
+                for report in reports:
+                    self._running.pop(report.run, None)
+                    log.error(
+                        "message %s: could not report the outcome (%s); its lock will expire",
+                        report.outcome.message.id,
+                        err,
+                        extra=_fields(report.outcome.message),
+                    )
+                return DequeueBatch(messages=[], retry_at=None)
+        for report, status in zip(reports, batch.completed, strict=True):
+            self._settled(report, status)
+        late = self._stopping.is_set() and self._past_grace()
+        for message in batch.messages:
+            run = _Run(message)
+            self._running[run] = None
+            self.metrics.count("dequeued", message.channel)
+            if late:
+                # Taken by a call that outlasted the grace period: given back unrun.
+                run.reporting = run.giving_back = True
+                self._submit(run, Outcome.defer(message), _policy.GIVE_BACK)
+            else:
+                run.task = asyncio.create_task(self._execute(run))
+        self.metrics.running = len(self._running)
+        return batch
+
+    def _past_grace(self) -> bool:
+        return time.monotonic() >= self._stopped_at + self.options.grace_s
+
+    def _settled(self, report: _policy.Report[_Run, AsyncMessage], status: AckStatus) -> None:
+        self._running.pop(report.run, None)
+        counter = _policy.log_settled(log, report, status)
+        if counter is not None:
+            self._count(counter, report.outcome.message.channel)
+
+    def _submit(self, run: _Run, outcome: Outcome[AsyncMessage], counter: str) -> None:
+        """Queue ``run``'s outcome for the next flush."""
+        self._pending.add(_policy.Report(run, outcome, counter), time.monotonic())
+        self._wake.set()
 
     # -- one message -----------------------------------------------------------------------
 
@@ -245,45 +327,16 @@ class AsyncWorker:
             await result
 
     async def _execute(self, run: _Run) -> None:
-        """Run the message; when finishing it hands this task the next message (one
-        transaction: see :meth:`_apply`), run that one too, and so on."""
-        while True:
-            following: AsyncMessage | None = None
-            try:
-                following = await self._run(run)
-            finally:
-                self._running.pop(run, None)
-                # No await between the pop and the registration: _shutdown, which lists what
-                # still runs after the stop, sees every message taken before it. One taken
-                # while stopping runs too, within the grace period: given back unrun, it would
-                # have spent an attempt (the dequeue counted one) that a later max_attempts
-                # check would hold against it.
-                # Once the grace period is over (_shutdown has listed what to give back), the
-                # next message is given back unrun instead, listed as being reported.
-                give_back = following is not None and self._grace_over
-                if following is not None:
-                    run = _Run(following, task=run.task, reporting=give_back, giving_back=give_back)
-                    self._running[run] = None
-                self.metrics.running = len(self._running)
-                if following is None:
-                    self._wake.set()
-            if following is None:
-                return
-            self.metrics.count("dequeued", following.channel)
-            if give_back:
-                try:
-                    await self._give_back(following, "taken after the grace period")
-                finally:
-                    self._running.pop(run, None)
-                    self.metrics.running = len(self._running)
-                return
-
-    async def _run(self, run: _Run) -> AsyncMessage | None:
-        """Run one message's handler and report its outcome; returns the next message when
-        the report also took one."""
+        """Run one message's handler and queue its outcome for the next flush (a schedule's
+        driver is fired at once)."""
         message = run.message
+        submitted = False
         try:
             decision = _policy.before_run(message, self.options)
+            if decision.action is Action.FIRE:
+                run.reporting = True
+                await self._fire_with_retries(message)
+                return
             if decision.action is Action.RUN:
                 started = time.perf_counter()
                 error: BaseException | None = None
@@ -308,7 +361,6 @@ class AsyncWorker:
                     )
                     self.stop()
                 self.metrics.observe(message.channel, time.perf_counter() - started)
-                run.reporting = not (run.abandoned or run.lost)
                 if run.abandoned or run.lost:
                     log.warning(
                         "message %s: handler ended after its lock was %s; result not reported",
@@ -316,7 +368,7 @@ class AsyncWorker:
                         "given back" if run.abandoned else "lost",
                         extra=_fields(message),
                     )
-                    return None
+                    return
                 decision = _policy.after_run(
                     message, error, self.options, self._db_now(), self._rng
                 )
@@ -328,94 +380,52 @@ class AsyncWorker:
                         error,
                         extra=_fields(message),
                     )
-            else:
-                run.reporting = True
-            return await self._apply_with_retries(message, decision)
-        except StaleMessageError:
-            log.info(
-                "message %s was no longer held when its handler returned",
-                message.id,
-                extra=_fields(message),
-            )
-        except LonnyMQError as err:
-            log.error(
-                "message %s: could not report the outcome (%s); its lock will expire",
-                message.id,
-                err,
-                extra=_fields(message),
-            )
-        return None
+            run.reporting = True
+            self._submit(run, _policy.outcome_of(message, decision), decision.action.value)
+            submitted = True
+        finally:
+            if not submitted:
+                self._running.pop(run, None)
+                self.metrics.running = len(self._running)
+                self._wake.set()
 
-    async def _apply_with_retries(
-        self, message: AsyncMessage, decision: Decision
-    ) -> AsyncMessage | None:
+    async def _fire_with_retries(self, message: AsyncMessage) -> None:
+        """Fire a schedule's driver, riding out a lost connection (the pool reconnects)."""
         for attempt in range(1, REPORT_TRIES + 1):
             try:
-                return await self._apply(message, decision)
-            except DatabaseError as err:
-                if attempt == REPORT_TRIES:
-                    raise
+                await self._fire(message)
+                return
+            except StaleMessageError:
+                log.info("schedule driver %s was no longer held", message.id)
+                return
+            except LonnyMQError as err:
+                if not isinstance(err, DatabaseError) or attempt == REPORT_TRIES:
+                    log.error(
+                        "schedule driver %s: could not fire (%s); its lock will expire",
+                        message.id,
+                        err,
+                    )
+                    return
                 delay = _policy.reconnect_delay(attempt)
-                log.warning("report failed (%s); trying again in %.1fs", err, delay)
+                log.warning("firing failed (%s); trying again in %.1fs", err, delay)
                 await asyncio.sleep(delay)
-        return None
 
-    async def _apply(self, message: AsyncMessage, decision: Decision) -> AsyncMessage | None:
-        """The one place that finishes, retries or fires a message. Completing a message also
-        takes the next one in the same transaction, unless the worker is stopping; that
-        message is returned."""
-        action = decision.action
-        following: AsyncMessage | None = None
-        if action is Action.FIRE:
-            try:
-                firing = await self.queue.fire_schedule(message)
-            except InvalidArgumentError as err:  # not a driver: it would come back forever
-                await message.fail(error=f"not a schedule driver: {err}")
-                self._count("failed", message.channel)
-                return None
-            if firing.full:
-                log.warning(
-                    "schedule driver %s: the task's channel is full; trying again at %s",
-                    message.id,
-                    firing.next_at,
-                    extra=_fields(message),
-                )
-            elif firing.fire_at is not None:
-                self._count("fired", message.channel)
-            return None
-        if action is Action.COMPLETE and self._stopping.is_set():
-            await message.delete()
-        elif action is Action.COMPLETE:
-            batch = await self.queue.complete_and_dequeue(
-                [message], 1, lock_ms=self.options.lock_ms
-            )
-            following = batch.messages[0] if batch.messages else None
-            if batch.completed[0] is not AckStatus.OK:
-                # The handler may have deferred or finished the message itself.
-                log.info(
-                    "message %s was no longer held when its handler returned",
-                    message.id,
-                    extra=_fields(message),
-                )
-                return following
-        elif action is Action.RETRY:
-            await message.defer(dequeue_at=decision.dequeue_at)
-        elif action is Action.DEAD_LETTER:
-            assert decision.channel is not None
-            assert decision.error is not None
-            await self.queue.dead_letter(message, channel=decision.channel, error=decision.error)
-        else:
-            assert decision.error is not None
-            await message.fail(error=decision.error)
-        self._count(action.value, message.channel)
-        if action in (Action.FAIL, Action.DEAD_LETTER):
-            log.error(
-                "message %s failed for good after %s attempts",
+    async def _fire(self, message: AsyncMessage) -> None:
+        try:
+            firing = await self.queue.fire_schedule(message)
+        except InvalidArgumentError as err:  # not a driver: it would come back forever
+            await message.fail(error=f"not a schedule driver: {err}")
+            self._count("failed", message.channel)
+            return
+        if firing.full:
+            log.warning(
+                "schedule driver %s: the task's channel is full; trying again at %s",
                 message.id,
-                message.num_attempts,
+                firing.next_at,
                 extra=_fields(message),
             )
-        return following
+        elif firing.fire_at is not None:
+            self._count("fired", message.channel)
 
     def _count(self, outcome: str, channel: str) -> None:
         self.metrics.count(outcome, channel)
@@ -507,56 +517,34 @@ class AsyncWorker:
                 await asyncio.sleep(_policy.reconnect_delay(failures))
 
     async def _shutdown(self) -> None:
-        """Give running handlers ``grace_s`` to finish, then give their messages back; wait
-        (at most ``REPORT_WAIT_S``) for the outcomes of those that did to be reported."""
-        runs = list(self._running)
-        tasks = [r.task for r in runs if r.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=self.options.grace_s)
-        # No await between this and the listing below: a report that takes a message from now
-        # on gives it back (_execute), and its task, listed as reporting, is waited for.
-        self._grace_over = True
-        reporting: list[asyncio.Task[None]] = []
-        for run in [r for r in self._running if r.task is not None]:
-            assert run.task is not None
-            if run.task.done():
+        """Keep reporting outcomes while running handlers get ``grace_s`` (from the stop) to
+        finish; then give back the messages of those that did not, with the outcomes still
+        waiting, and report them (for at most ``REPORT_WAIT_S``)."""
+        while self._running and not self._past_grace():
+            wait = self._pending.wait_s(
+                time.monotonic(), len(self._running) - len(self._pending), self.options
+            )
+            if wait is not None and wait <= 0:
+                await self._flush(0)
                 continue
+            until_grace = self._stopped_at + self.options.grace_s - time.monotonic()
+            await self._sleep(max(0.0, until_grace if wait is None else min(wait, until_grace)))
+        for run in list(self._running):
             if run.reporting:
-                # Its handler has returned: giving the message back too would race the report
-                # (perhaps retrying after a lost connection), and the finished work could run
-                # again.
-                reporting.append(run.task)
+                # Its handler has returned: its outcome is reported, never given back too.
                 continue
             run.abandoned = True
-            await self._give_back(run.message, "its handler outlived the grace period")
-            run.task.cancel()
-        if reporting:
-            _, late = await asyncio.wait(reporting, timeout=REPORT_WAIT_S)
-            for task in late:
-                task.cancel()
-
-    async def _give_back(self, message: AsyncMessage, why: str) -> None:
-        """Unlock a message whose handler outlived the grace period, or one taken once it was over
-        (defer keeps its attempt count: the dequeue's attempt is spent). A lost connection or
-        a deadlock is ridden out as a report is (the pool reconnects)."""
-        for attempt in range(1, REPORT_TRIES + 1):
-            try:
-                await message.defer()
-            except LonnyMQError as err:
-                if isinstance(err, DatabaseError) and attempt < REPORT_TRIES:
-                    delay = _policy.reconnect_delay(attempt)
-                    log.warning("give-back failed (%s); trying again in %.1fs", err, delay)
-                    await asyncio.sleep(delay)
-                    continue
-                log.error(
-                    "message %s could not be given back (%s); its lock will expire",
-                    message.id,
-                    err,
-                )
-                return
-            self._count("given_back", message.channel)
-            log.warning("message %s given back: %s", message.id, why, extra=_fields(message))
-            return
+            if run.task is not None:
+                run.task.cancel()
+            self._submit(run, Outcome.defer(run.message), _policy.GIVE_BACK)
+            log.warning(
+                "message %s: its handler outlived the grace period: giving it back",
+                run.message.id,
+                extra=_fields(run.message),
+            )
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while self._pending and time.monotonic() < deadline:
+            await self._flush(0)
 
 
 class _HandlerThreads:

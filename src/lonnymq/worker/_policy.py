@@ -4,17 +4,18 @@ before and after its handler runs, retry delays, sleeps and reconnect delays."""
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from ..errors import InvalidArgumentError
 from ..schedule import SCHEDULE_CHANNEL
-from ..types import AckStatus, ChannelStats
+from ..types import AckStatus, ChannelStats, Outcome
 
 __all__ = ["Action", "Backoff", "Decision", "WorkerOptions", "WorkerStats", "error_text"]
 
@@ -22,6 +23,7 @@ __all__ = ["Action", "Backoff", "Decision", "WorkerOptions", "WorkerStats", "err
 MAX_DELAY_MS = 10**12  # about 31 years: a longer retry delay is a mistake
 MAX_WAIT_MS = 7 * 24 * 3600 * 1000  # the longest lock the queue grants; also caps idle and grace
 MAX_CONCURRENCY = 10_000  # the most messages one dequeue can return
+MAX_FLUSH_MS = 10_000  # an outcome reported later than this is a mistake
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,8 @@ class WorkerOptions:
     grace_s: float = 30.0
     idle_ms: int = 5_000
     maintenance_ms: int | None = 1_000
+    flush_ms: int = 2
+    batch_size: int = 100
 
     @classmethod
     def check(
@@ -121,6 +125,8 @@ class WorkerOptions:
         grace_s: object,
         idle_ms: object,
         maintenance_ms: object = 1_000,
+        flush_ms: object = 2,
+        batch_size: object = 100,
     ) -> WorkerOptions:
         """Validate the options; a bad one raises :class:`InvalidArgumentError`."""
         for name, value, low, high in (
@@ -128,6 +134,8 @@ class WorkerOptions:
             ("lock_ms", lock_ms, 100, MAX_WAIT_MS),
             ("max_attempts", max_attempts, 1, 2**31 - 1),
             ("idle_ms", idle_ms, 1, MAX_WAIT_MS),
+            ("flush_ms", flush_ms, 0, MAX_FLUSH_MS),
+            ("batch_size", batch_size, 1, MAX_CONCURRENCY),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise InvalidArgumentError(
@@ -175,6 +183,8 @@ class WorkerOptions:
             grace_s=float(grace_s),
             idle_ms=idle_ms,  # type: ignore[arg-type]
             maintenance_ms=maintenance_ms,
+            flush_ms=flush_ms,  # type: ignore[arg-type]
+            batch_size=batch_size,  # type: ignore[arg-type]
         )
 
 
@@ -365,3 +375,131 @@ def only_schedules_left(stats: Iterable[ChannelStats]) -> bool:
         if s.channel != SCHEDULE_CHANNEL
         and not (s.policy.max_concurrency == 0 and s.in_flight == 0)
     )
+
+
+# -- group commit ----------------------------------------------------------------------------
+
+R = TypeVar("R")
+"""A worker's record of one run (its message, and flags)."""
+M = TypeVar("M")
+"""A message (sync or async)."""
+
+GIVE_BACK = "given_back"
+"""The counter of an outcome that gives a message back unrun or unfinished (a defer)."""
+
+
+def outcome_of(message: M, decision: Decision) -> Outcome[M]:
+    """The outcome a worker reports for ``decision`` (COMPLETE, RETRY, FAIL, DEAD_LETTER)."""
+    if decision.action is Action.COMPLETE:
+        return Outcome.complete(message)
+    if decision.action is Action.RETRY:
+        return Outcome.defer(message, dequeue_at=decision.dequeue_at)
+    assert decision.error is not None
+    if decision.action is Action.DEAD_LETTER:
+        assert decision.channel is not None
+        return Outcome.dead_letter(message, channel=decision.channel, error=decision.error)
+    return Outcome.fail(message, error=decision.error)
+
+
+@dataclass(frozen=True, slots=True)
+class Report(Generic[R, M]):
+    """One outcome waiting to be reported: the run it ends, what to report, and the counter
+    it adds to once reported (``Action.value``, or :data:`GIVE_BACK`)."""
+
+    run: R
+    outcome: Outcome[M]
+    counter: str
+
+
+class Pending(Generic[R, M]):
+    """The outcomes of handlers that returned, waiting for the next flush (no I/O, no lock:
+    the thread worker calls it under its own)."""
+
+    def __init__(self) -> None:
+        self._reports: list[Report[R, M]] = []
+        self._since: float | None = None  # monotonic time of the oldest report
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+    def add(self, report: Report[R, M], now: float) -> None:
+        if not self._reports:
+            self._since = now
+        self._reports.append(report)
+
+    def wait_s(self, now: float, handlers: int, options: WorkerOptions) -> float | None:
+        """Seconds before the next flush is due (0: now); ``None`` when nothing waits. A flush
+        is due once ``batch_size`` outcomes wait, once the oldest has waited ``flush_ms``, or
+        at once when no handler is running (nothing more is coming)."""
+        if not self._reports or self._since is None:
+            return None
+        if len(self._reports) >= options.batch_size or handlers <= 0:
+            return 0.0
+        return max(0.0, self._since + options.flush_ms / 1000 - now)
+
+    def take(self, limit: int, now: float) -> list[Report[R, M]]:
+        """The oldest ``limit`` reports, out of the waiting list."""
+        taken, self._reports = self._reports[:limit], self._reports[limit:]
+        self._since = now if self._reports else None
+        return taken
+
+
+class Settled(StrEnum):
+    """What a flush's status means for one report."""
+
+    DONE = "done"
+    """Reported: count it."""
+    NOT_HELD = "not_held"
+    """The message was no longer held (its lock was lost, or its handler finished or
+    deferred it itself): nothing was changed, nothing is counted."""
+    FULL = "full"
+    """A dead letter whose channel is full: the message stays held until its lock expires."""
+
+
+def settled(status: AckStatus) -> Settled:
+    if status is AckStatus.OK:
+        return Settled.DONE
+    if status is AckStatus.FULL:
+        return Settled.FULL
+    return Settled.NOT_HELD
+
+
+class _Message(Protocol):
+    @property
+    def id(self) -> int: ...
+    @property
+    def channel(self) -> str: ...
+    @property
+    def num_attempts(self) -> int: ...
+
+
+def log_settled(log: logging.Logger, report: Report[R, M], status: AckStatus) -> str | None:
+    """Log what a flush's ``status`` means for ``report``; the counter to add to, if any."""
+    message: _Message = report.outcome.message  # type: ignore[assignment]
+    fields = {"message_id": message.id, "channel": message.channel, "attempt": message.num_attempts}
+    meaning = settled(status)
+    if meaning is Settled.NOT_HELD:
+        # The handler may have deferred or finished the message itself.
+        log.info(
+            "message %s was no longer held when its handler returned", message.id, extra=fields
+        )
+        return None
+    if meaning is Settled.FULL:
+        log.error(
+            "message %s: could not report the outcome (dead-letter channel %r is full); "
+            "its lock will expire",
+            message.id,
+            report.outcome.channel,
+            extra=fields,
+        )
+        return None
+    if report.counter == GIVE_BACK:
+        log.warning("message %s given back", message.id, extra=fields)
+    elif report.counter in (Action.FAIL.value, Action.DEAD_LETTER.value):
+        log.error(
+            "message %s failed for good after %s attempts",
+            message.id,
+            message.num_attempts,
+            extra=fields,
+        )
+    return report.counter

@@ -1,0 +1,377 @@
+"""The worker shape of ``lonnymq bench``: a ``Worker``, an ``AsyncWorker`` and the durable
+floor, each serving a backlog that a producer keeps at ``BACKLOG`` messages over ``CHANNELS``
+channels, with a handler that sleeps ``HANDLER_S`` (1 ms), at several concurrencies.
+
+Each run is measured twice, with the consumer running throughout:
+
+- *saturated*: the producer tops the waiting messages up to ``BACKLOG`` with ``create_many``
+  (the durable floor: one ``INSERT`` of as many rows). The completion rate is counted in the
+  queue's table (messages created minus messages left), and pickup latency (the message's
+  creation to its handler's start) is the time a message waits behind the backlog;
+- *paced*: the producer creates at half the saturated rate, once the backlog has drained:
+  pickup latency is then what a worker that keeps up adds.
+
+The durable floor is driven the same way from Python: one connection whose loop finishes the
+messages whose 1 ms has passed and locks one for every free slot, in one plain statement per
+call, as soon as at least one has finished (the least a queue that locks then finishes can
+do with this many in flight), and polls every millisecond when it has nothing in flight; the
+lonnymq queue publishes events, so that an idle worker is woken by the next create. The
+producer, the consumer and the handlers share one process, as an application's would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import struct
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext, suppress
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .queue import Queue
+from .queue_async import AsyncQueue
+from .types import NewMessage
+
+__all__ = ["BACKLOG", "CHANNELS", "CONSUMERS", "HANDLER_S", "run_worker_shape"]
+
+BACKLOG = 4_000
+"""Messages the producer keeps waiting while saturating."""
+CHANNELS = 100
+HANDLER_S = 0.001
+"""What each handler does: sleep 1 ms."""
+LOCK_MS = 60_000
+CONSUMERS = ("Worker", "AsyncWorker", "durable floor")
+POOL_CAP = 32
+"""A worker's pool: its concurrency, at most this, plus 4 (the server takes 100 connections)."""
+EVENTS = "lonnymq_bench_worker"
+"""The NOTIFY channel of the lonnymq queue under test."""
+PACE = 0.5
+"""The paced phase creates at this share of the saturated rate."""
+DRAIN_WAITS = 10
+"""The paced phase waits for the backlog to drain for at most this many measuring periods
+(then measures anyway, and says it had not kept up)."""
+
+_STAMP = struct.Struct("<d")
+
+
+def _stamp() -> bytes:
+    return _STAMP.pack(time.time())
+
+
+def _since(content: bytes) -> float:
+    """ms from the creation stamped in ``content`` to now."""
+    created: float = _STAMP.unpack(bytes(content[:8]))[0]
+    return 1000 * (time.time() - created)
+
+
+class _Load:
+    """The producer, and what the consumer's handlers report back to it (no lock needed:
+    ``list.append`` is atomic)."""
+
+    def __init__(self, create: Callable[[int], None]) -> None:
+        self._create = create
+        self.created = 0
+        self.pickups: list[float] = []
+        self.rate: float | None = None  # None: saturate; else messages per second
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._guarded, name="bench-producer", daemon=True)
+
+    def waiting(self) -> int:
+        return self.created - len(self.pickups)
+
+    def _make(self, count: int) -> None:
+        self._create(count)
+        self.created += count
+
+    def _guarded(self) -> None:
+        try:
+            self._produce()
+        except BaseException as exc:  # reported by the run
+            self.error = exc
+
+    def _produce(self) -> None:
+        paced_since = 0.0
+        paced = 0
+        while not self.stop.is_set():
+            if self.rate is None:
+                deficit = BACKLOG - self.waiting()
+                if deficit >= BACKLOG // 40:
+                    self._make(deficit)
+                else:
+                    self.stop.wait(0.001)
+                continue
+            now = time.perf_counter()
+            if not paced_since:
+                paced_since, paced = now, 0
+            due = int(self.rate * (now - paced_since)) - paced
+            if due > 0:
+                self._make(due)
+                paced += due
+            self.stop.wait(0.005)
+
+
+def _percentiles(timings: list[float]) -> dict[str, float | None]:
+    if len(timings) < 2:
+        return {"p50_ms": timings[0] if timings else None, "p99_ms": None}
+    return {
+        "p50_ms": statistics.median(timings),
+        "p99_ms": statistics.quantiles(timings, n=100)[98],
+    }
+
+
+class _Consumer:
+    """A consumer running in a thread of its own until ``stop()``."""
+
+    def __init__(self, target: Callable[[], None]) -> None:
+        self.error: BaseException | None = None
+        self.stop: Callable[[], object] = lambda: None
+        self.ready = threading.Event()
+
+        def guarded() -> None:
+            try:
+                target()
+            except BaseException as exc:  # reported by the run
+                self.error = exc
+            finally:
+                self.ready.set()
+
+        self.thread = threading.Thread(target=guarded, name="bench-consumer", daemon=True)
+
+
+def _threadsafe(loop: asyncio.AbstractEventLoop, call: Callable[[], None]) -> Callable[[], None]:
+    """``call`` on ``loop`` from another thread; nothing once the loop has ended (it failed)."""
+
+    def stop() -> None:
+        with suppress(RuntimeError):
+            loop.call_soon_threadsafe(call)
+
+    return stop
+
+
+def _worker(dsn: str, schema: str, concurrency: int, load: _Load) -> _Consumer:
+    from .worker import Worker
+
+    def handler(message: Any) -> None:
+        load.pickups.append(_since(message.content))
+        time.sleep(HANDLER_S)
+
+    def target() -> None:
+        pool = min(concurrency, POOL_CAP) + 4
+        with Queue(dsn, schema=schema, pool_size=pool) as queue:
+            worker = Worker(queue, handler, concurrency=concurrency, lock_ms=LOCK_MS)
+            consumer.stop = worker.stop
+            consumer.ready.set()
+            worker.run(handle_signals=False)
+
+    consumer = _Consumer(target)
+    return consumer
+
+
+def _async_worker(dsn: str, schema: str, concurrency: int, load: _Load) -> _Consumer:
+    from .worker import AsyncWorker
+
+    async def handler(message: Any) -> None:
+        load.pickups.append(_since(message.content))
+        await asyncio.sleep(HANDLER_S)
+
+    async def main() -> None:
+        pool = min(concurrency, POOL_CAP) + 4
+        async with AsyncQueue(dsn, schema=schema, pool_size=pool) as queue:
+            worker = AsyncWorker(queue, handler, concurrency=concurrency, lock_ms=LOCK_MS)
+            consumer.stop = _threadsafe(asyncio.get_running_loop(), worker.stop)
+            consumer.ready.set()
+            await worker.run(handle_signals=False)
+
+    consumer = _Consumer(lambda: asyncio.run(main()))
+    return consumer
+
+
+# The durable floor's call: finish the held messages whose handler is done (if their attempt
+# still holds them), lock up to %(n)s more (expired locks first), in one statement.
+FLOOR_CYCLE = """
+WITH done AS (
+    DELETE FROM {r}.durable_queue f USING unnest(%(ids)s::bigint[], %(nas)s::int[]) AS h(id, na)
+    WHERE f.id = h.id AND f.attempts = h.na AND f.unlock_at IS NOT NULL
+), expired AS (
+    SELECT e.id FROM {r}.durable_queue e WHERE e.unlock_at <= {now}
+    ORDER BY e.unlock_at, e.id LIMIT %(n)s FOR UPDATE SKIP LOCKED
+), ready AS (
+    SELECT u.id FROM {r}.durable_queue u WHERE u.unlock_at IS NULL
+    ORDER BY u.id LIMIT %(n)s - (SELECT count(*) FROM expired) FOR UPDATE SKIP LOCKED
+)
+UPDATE {r}.durable_queue d SET unlock_at = {now} + {lock_ms}, attempts = d.attempts + 1
+WHERE d.id IN (SELECT x.id FROM expired x UNION ALL SELECT y.id FROM ready y)
+RETURNING d.id, d.attempts, d.payload
+"""
+_FLOOR_NOW = "floor(extract(epoch FROM now()) * 1000)::bigint"
+
+
+def _floor(dsn: str, raw: str, concurrency: int, load: _Load) -> _Consumer:
+    statement = sql.SQL(
+        FLOOR_CYCLE.format(r=sql.Identifier(raw).as_string(), now=_FLOOR_NOW, lock_ms=LOCK_MS)
+    )
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        finished = asyncio.Event()
+        done: list[tuple[int, int]] = []
+        running = 0
+
+        async def handle(message_id: int, attempts: int, payload: bytes) -> None:
+            nonlocal running
+            load.pickups.append(_since(payload))
+            await asyncio.sleep(HANDLER_S)
+            done.append((message_id, attempts))
+            running -= 1
+            finished.set()
+
+        consumer.stop = _threadsafe(asyncio.get_running_loop(), stopping.set)
+        consumer.ready.set()
+        tasks: set[asyncio.Task[None]] = set()
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            while not stopping.is_set():
+                flushed, done[:] = list(done), []
+                params = {
+                    "ids": [d[0] for d in flushed],
+                    "nas": [d[1] for d in flushed],
+                    "n": concurrency - running,
+                }
+                rows = await (await conn.execute(statement, params)).fetchall()
+                for message_id, attempts, payload in rows:
+                    running += 1
+                    task = asyncio.create_task(handle(message_id, attempts, payload))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if not done:
+                    finished.clear()
+                    if running:
+                        await finished.wait()
+                    else:
+                        await asyncio.sleep(0.001)  # the queue is empty: poll
+            for task in list(tasks):
+                await task
+
+    consumer = _Consumer(lambda: asyncio.run(main()))
+    return consumer
+
+
+def _measure(finished: Callable[[], int], load: _Load, seconds: float) -> tuple[float, list[float]]:
+    """Messages finished per second over ``seconds``, and the pickups in that window."""
+    first, mark = finished(), len(load.pickups)
+    began = time.perf_counter()
+    load.stop.wait(seconds)
+    last, elapsed = finished(), time.perf_counter() - began
+    return (last - first) / elapsed, load.pickups[mark:]
+
+
+def run_worker_shape(bench: Any) -> list[dict[str, Any]]:
+    """Every consumer at every concurrency of ``bench``'s profile; one row each (see the
+    module docstring). ``bench`` is a :class:`lonnymq.bench.Bench`."""
+    rows: list[dict[str, Any]] = []
+    seconds = bench.profile.worker_seconds
+    for concurrency in bench.profile.worker_concurrency:
+        floor_rate: float | None = None
+        for name in reversed(CONSUMERS):  # the floor first: each row's ratio to it
+            row = _run_one(bench, name, concurrency, seconds)
+            if name == "durable floor":
+                floor_rate = row["msgs_per_s"]
+            row["x_floor"] = row["msgs_per_s"] / floor_rate if floor_rate else None
+            rows.append(row)
+            sat, paced = row["pickup_saturated"], row["pickup_paced"]
+            bench.log(
+                f"  {name:<14} {concurrency:>4} slots {row['msgs_per_s']:>8,.0f} msg/s "
+                f"(x floor {row['x_floor']:.2f})  pickup saturated p50/p99 "
+                f"{_ms(sat['p50_ms'])}/{_ms(sat['p99_ms'])}, paced at "
+                f"{row['paced_rate']:,.0f}/s {_ms(paced['p50_ms'])}/{_ms(paced['p99_ms'])} ms"
+            )
+    return rows
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _run_one(bench: Any, name: str, concurrency: int, seconds: float) -> dict[str, Any]:
+    bench.reset()
+    dsn, schema, raw = bench.dsn, bench.schema, bench.raw_schema
+    kind = "durable" if name == "durable floor" else "lonnymq"
+    producer_conn = psycopg.connect(dsn, autocommit=True)
+    # The queue publishes events, so that an idle worker is woken by a create (the floor polls
+    # every ms when it has nothing to do).
+    producer = Queue(dsn, schema=schema, pool_size=1, event_channel=EVENTS)
+    producer.install()
+    if kind == "durable":
+        insert = sql.SQL("INSERT INTO {} (payload) SELECT unnest(%s::bytea[])").format(
+            sql.Identifier(raw, "durable_queue")
+        )
+
+        def create(count: int) -> None:
+            producer_conn.execute(insert, ([_stamp()] * count,))
+
+    else:
+        spread = [f"c{i + 1}" for i in range(CHANNELS)]
+
+        def create(count: int) -> None:
+            stamp = _stamp()
+            producer.create_many(
+                NewMessage(stamp, channel=spread[(load.created + i) % CHANNELS])
+                for i in range(count)
+            )
+
+    load = _Load(create)
+    start = {"Worker": _worker, "AsyncWorker": _async_worker}.get(name)
+    consumer = (
+        start(dsn, schema, concurrency, load)
+        if start is not None
+        else _floor(dsn, raw, concurrency, load)
+    )
+
+    def finished() -> int:
+        return int(bench._produced(kind) - bench._remaining(kind))
+
+    try:
+        load.thread.start()
+        while load.created < BACKLOG and load.error is None:
+            load.stop.wait(0.01)
+        with bench._maintained("durable") if kind == "durable" else nullcontext():
+            consumer.thread.start()
+            consumer.ready.wait(60)
+            load.stop.wait(min(1.0, seconds))  # warm up: connections, plans, the pool
+            rate, saturated = _measure(finished, load, seconds)
+            # Paced: wait for the backlog to drain, then measure what pickup adds.
+            load.rate = PACE * rate
+            drain_s = min(3 * BACKLOG / max(rate, 1.0) + 10, DRAIN_WAITS * seconds)
+            deadline = time.perf_counter() + drain_s
+            while load.waiting() > concurrency + PACE * rate * 0.05:
+                if time.perf_counter() > deadline or consumer.error or load.error:
+                    break
+                load.stop.wait(0.01)
+            kept_up = load.waiting() <= concurrency + PACE * rate * 0.05
+            paced_rate, paced = _measure(finished, load, seconds)
+    finally:
+        load.stop.set()
+        consumer.stop()
+        load.thread.join(30)
+        consumer.thread.join(60)
+        producer_conn.close()
+        producer.close()
+    for error in (load.error, consumer.error):
+        if error is not None:
+            raise RuntimeError(f"{name} at {concurrency}: {error!r}") from error
+    if not saturated or not paced:
+        raise RuntimeError(f"{name} at {concurrency}: no handler started while measured")
+    return {
+        "consumer": name,
+        "concurrency": concurrency,
+        "msgs_per_s": rate,
+        "pickup_saturated": _percentiles(saturated),
+        "paced_rate": paced_rate,
+        "kept_up": kept_up,
+        "pickup_paced": _percentiles(paced),
+    }
