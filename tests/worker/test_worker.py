@@ -458,3 +458,14 @@ def test_worker_finishes_and_takes_the_next_message_in_one_call(
     assert "message_dequeue_many" not in calls
     with psycopg.connect(queue.dsn) as admin:
         assert [row[2] for row in _archive(admin, queue.schema)] == ["completed"] * 40
+
+
+def test_run_returns_once_its_maintenance_has_stopped(make_queue: Callable[..., Queue]) -> None:
+    """The caller may close the queue as soon as run() returns: no maintain() is still
+    under way on it then."""
+    queue = make_queue()
+    queue.create_many([NewMessage(b"x", channel=f"c{i}") for i in range(50)])
+    worker = Worker(queue, lambda message: None, concurrency=4, maintenance_ms=10)
+    stats = worker.run(until_idle=True, handle_signals=False)
+    assert stats.completed == 50
+    assert not [t for t in threading.enumerate() if t.name == "lonnymq-maint"]

@@ -200,6 +200,11 @@ class Worker:
         finally:
             self._halt()
             self._shutdown()
+            # A maintain() under way finishes before run() returns: the caller may close
+            # the queue next.
+            for helper in helpers:
+                if helper.name == "lonnymq-maint":
+                    helper.join()
             self._slots.stop()
             self._stops_seen = self._stops
             self._wake.set()
