@@ -18,11 +18,14 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from . import migrate
 from .errors import (
     InvalidArgumentError,
     InvalidChannelError,
     InvalidPolicyError,
     PayloadTooLargeError,
+    PermissionDeniedError,
+    SchemaVersionError,
 )
 from .schedule import SCHEDULE_CHANNEL
 from .types import (
@@ -473,6 +476,50 @@ class Statements:
 
     def __getitem__(self, name: str) -> sql.Composed:
         return self._composed[name]
+
+
+# -- schema state ------------------------------------------------------------------------
+
+
+def schema_state(schema: str, row: tuple[Any, ...]) -> tuple[int, list[migrate.Migration], bool]:
+    """The version, the migrations to apply and whether the function layer is stale, from
+    a row of migrate.state_statement (or installed_statement); refuses what no install
+    can upgrade."""
+    current, baseline, sha256, recorded_md5, catalog_md5 = row
+    current = int(current or 0)
+    latest = migrate.latest_version()
+    if baseline is not None and baseline != migrate.BASELINE:
+        raise SchemaVersionError(
+            f"schema {schema!r} was installed by a development build of lonnymq "
+            f"from before its first release, which cannot be upgraded: drop the schema "
+            f"and install again"
+        )
+    if current > latest:
+        raise SchemaVersionError(
+            f"schema {schema!r} is at version {current}, newer than this "
+            f"lonnymq knows ({latest}): upgrade the lonnymq package"
+        )
+    stale = sha256 != migrate.functions_sha256() or recorded_md5 != catalog_md5
+    return current, migrate.pending(current), stale
+
+
+def installed_version(schema: str, row: tuple[Any, ...] | None) -> int:
+    """The version of an install that a role that may not change the schema can use, from a
+    row of migrate.installed_statement (None: no queue, or a function layer from before);
+    refuses when the schema needs an install by its owner."""
+    if row is None:
+        row = (-1, None, None)
+    # The recorded checksum only: this role could not put a changed function back anyway.
+    current, pending, stale = schema_state(schema, (*row, None, None))
+    if current < 0 or pending or stale:
+        raise PermissionDeniedError(
+            f"schema {schema!r} needs an install of this lonnymq (migrations up to "
+            f"version {migrate.latest_version()} and its functions) and this role may not "
+            f"change it: run install() (or `lonnymq install`) as the role that owns the "
+            f"queue",
+            "42501",
+        )
+    return current
 
 
 # -- rows to results ---------------------------------------------------------------------

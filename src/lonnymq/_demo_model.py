@@ -21,6 +21,7 @@ __all__ = [
     "TenantReport",
     "policies",
     "policy_text",
+    "send_failure",
 ]
 
 NOTIFY_MIN_CENTS = 200_000
@@ -30,6 +31,17 @@ TRANSIENT_EVERY = 20
 PERMANENT_EVERY = 400
 """Notifications to every 400th customer always fail (no valid address): failed for good."""
 MAX_ATTEMPTS = 3
+
+
+def send_failure(order_id: int, customer_id: int, attempt: int) -> Exception | None:
+    """What sending an order's notification meets at this attempt: no valid address (every
+    ``PERMANENT_EVERY``-th customer, every attempt), a mail server timeout (the first attempt
+    of every ``TRANSIENT_EVERY``-th order), or ``None`` when it is sent."""
+    if customer_id % PERMANENT_EVERY == 0:
+        return ValueError(f"customer {customer_id} has no valid e-mail address")
+    if order_id % TRANSIENT_EVERY == 0 and attempt == 1:
+        return TimeoutError("the mail server timed out")
+    return None
 
 
 @dataclass(frozen=True)

@@ -48,12 +48,11 @@ from ._core import with_client_timeouts
 from ._demo_model import (
     MAX_ATTEMPTS,
     NOTIFY_MIN_CENTS,
-    PERMANENT_EVERY,
     TENANTS,
-    TRANSIENT_EVERY,
     QueueReport,
     policies,
     policy_text,
+    send_failure,
 )
 from .embedded import resolve_dsn
 from .queue import Message, Queue
@@ -293,10 +292,9 @@ class NotificationHandler:
             self.max_in_flight[channel] = max(self.max_in_flight[channel], self.in_flight[channel])
         try:
             time.sleep(SEND_S)
-            if order["customer_id"] % PERMANENT_EVERY == 0:
-                raise ValueError(f"customer {order['customer_id']} has no valid e-mail address")
-            if order["order_id"] % TRANSIENT_EVERY == 0 and message.num_attempts == 1:
-                raise TimeoutError("the mail server timed out")
+            failure = send_failure(order["order_id"], order["customer_id"], message.num_attempts)
+            if failure is not None:
+                raise failure
         finally:
             with self._lock:  # before the worker gives the message's slot back
                 self.in_flight[channel] -= 1

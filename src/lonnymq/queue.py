@@ -39,7 +39,6 @@ from .errors import (
     InvalidArgumentError,
     MessageNotFoundError,
     PermissionDeniedError,
-    SchemaVersionError,
     StaleMessageError,
     translate,
 )
@@ -557,7 +556,7 @@ class Queue:
             pass
         row = cursor.fetchone()
         assert row is not None
-        current, pending, stale = self._check_state(row)
+        current, pending, stale = _core.schema_state(self._schema, row)
         if not pending and not stale:
             return current
         cursor.execute(migrate.search_path_show_statement())
@@ -573,27 +572,6 @@ class Queue:
             cursor.execute(statement)
         cursor.execute(migrate.search_path_restore_statement(), {"search_path": shown[0]})
         return current
-
-    def _check_state(self, row: tuple[Any, ...]) -> tuple[int, list[migrate.Migration], bool]:
-        """The version, the migrations to apply and whether the function layer is stale, from
-        a row of migrate.state_statement (or installed_statement); refuses what no install
-        can upgrade."""
-        current, baseline, sha256, recorded_md5, catalog_md5 = row
-        current = int(current or 0)
-        latest = migrate.latest_version()
-        if baseline is not None and baseline != migrate.BASELINE:
-            raise SchemaVersionError(
-                f"schema {self._schema!r} was installed by a development build of lonnymq "
-                f"from before its first release, which cannot be upgraded: drop the schema "
-                f"and install again"
-            )
-        if current > latest:
-            raise SchemaVersionError(
-                f"schema {self._schema!r} is at version {current}, newer than this "
-                f"lonnymq knows ({latest}): upgrade the lonnymq package"
-            )
-        stale = sha256 != migrate.functions_sha256() or recorded_md5 != catalog_md5
-        return current, migrate.pending(current), stale
 
     def _install_on(self, conn: Connection[Any], archive: bool | None) -> int:
         started = perf_counter()
@@ -636,19 +614,7 @@ class Queue:
             row = cursor.fetchone()
         except (psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn):
             row = None  # a schema without a queue, or with a function layer from before
-        if row is None:
-            row = (-1, None, None)
-        # The recorded checksum only: this role could not put a changed function back anyway.
-        current, pending, stale = self._check_state((*row, None, None))
-        if current < 0 or pending or stale:
-            raise PermissionDeniedError(
-                f"schema {self._schema!r} needs an install of this lonnymq (migrations up to "
-                f"version {migrate.latest_version()} and its functions) and this role may not "
-                f"change it: run install() (or `lonnymq install`) as the role that owns the "
-                f"queue",
-                "42501",
-            )
-        return current
+        return _core.installed_version(self._schema, row)
 
     def settings(self, *, conn: Connection[Any] | None = None) -> Settings:
         """The installation's settings (event channel, archive)."""

@@ -38,7 +38,6 @@ from .errors import (
     InvalidArgumentError,
     MessageNotFoundError,
     PermissionDeniedError,
-    SchemaVersionError,
     StaleMessageError,
     translate,
 )
@@ -560,7 +559,7 @@ class AsyncQueue:
             pass
         row = await cursor.fetchone()
         assert row is not None
-        current, pending, stale = self._check_state(row)
+        current, pending, stale = _core.schema_state(self._schema, row)
         if not pending and not stale:
             return current
         await cursor.execute(migrate.search_path_show_statement())
@@ -576,27 +575,6 @@ class AsyncQueue:
             await cursor.execute(statement)
         await cursor.execute(migrate.search_path_restore_statement(), {"search_path": shown[0]})
         return current
-
-    def _check_state(self, row: tuple[Any, ...]) -> tuple[int, list[migrate.Migration], bool]:
-        """The version, the migrations to apply and whether the function layer is stale, from
-        a row of migrate.state_statement (or installed_statement); refuses what no install
-        can upgrade."""
-        current, baseline, sha256, recorded_md5, catalog_md5 = row
-        current = int(current or 0)
-        latest = migrate.latest_version()
-        if baseline is not None and baseline != migrate.BASELINE:
-            raise SchemaVersionError(
-                f"schema {self._schema!r} was installed by a development build of lonnymq "
-                f"from before its first release, which cannot be upgraded: drop the schema "
-                f"and install again"
-            )
-        if current > latest:
-            raise SchemaVersionError(
-                f"schema {self._schema!r} is at version {current}, newer than this "
-                f"lonnymq knows ({latest}): upgrade the lonnymq package"
-            )
-        stale = sha256 != migrate.functions_sha256() or recorded_md5 != catalog_md5
-        return current, migrate.pending(current), stale
 
     async def _install_on(self, conn: AsyncConnection[Any], archive: bool | None) -> int:
         started = perf_counter()
@@ -639,19 +617,7 @@ class AsyncQueue:
             row = await cursor.fetchone()
         except (psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn):
             row = None  # a schema without a queue, or with a function layer from before
-        if row is None:
-            row = (-1, None, None)
-        # The recorded checksum only: this role could not put a changed function back anyway.
-        current, pending, stale = self._check_state((*row, None, None))
-        if current < 0 or pending or stale:
-            raise PermissionDeniedError(
-                f"schema {self._schema!r} needs an install of this lonnymq (migrations up to "
-                f"version {migrate.latest_version()} and its functions) and this role may not "
-                f"change it: run install() (or `lonnymq install`) as the role that owns the "
-                f"queue",
-                "42501",
-            )
-        return current
+        return _core.installed_version(self._schema, row)
 
     async def settings(self, *, conn: AsyncConnection[Any] | None = None) -> Settings:
         """The installation's settings (event channel, archive)."""
