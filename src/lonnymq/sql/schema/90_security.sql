@@ -42,6 +42,7 @@ AS $$
             -- waits for under Trigger.AvailableNow with spark_batch_waiting, and claims its
             -- consumer for its checkpoint with spark_consumer_claim).
             ARRAY['message_dequeue', 'message_dequeue_many', 'message_complete_and_dequeue',
+                  'message_settle',
                   'message_heartbeat', 'message_heartbeat_many', 'message_delete',
                   'message_delete_many', 'message_defer', 'message_defer_many', 'channel_stats',
                   'spark_consumer_lock', 'spark_batch_plan', 'spark_batch_ack',
@@ -49,11 +50,13 @@ AS $$
                   'spark_scan_bounds', 'spark_batch_waiting', 'spark_consumer_claim']
         ELSE ARRAY[]::TEXT[] END
         || CASE WHEN p_kind = 'admin' THEN
-            -- admin: policies, settings, schedules, the archive, checks, raw scans, the clock.
+            -- admin: policies, settings, schedules, the archive, checks, raw scans, the clock,
+            -- the dashboard's reads (they show messages' content).
             ARRAY['channel_policy_set', 'channel_policy_clear', 'config_set', 'clock_offset_set',
                   'queue_verify', 'schedule_set', 'schedule_list', 'schedule_remove',
                   'archive_list', 'archive_replay', 'spark_stage_purge', 'spark_message_scan',
-                  'spark_archive_scan']
+                  'spark_archive_scan', 'dashboard_overview', 'dashboard_channels',
+                  'dashboard_channel_messages']
         ELSE ARRAY[]::TEXT[] END
     END
 $$;
