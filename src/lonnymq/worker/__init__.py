@@ -40,7 +40,6 @@ from ..errors import (
     DatabaseError,
     InvalidArgumentError,
     LonnyMQError,
-    StaleMessageError,
 )
 from ..metrics import WorkerMetrics
 from ..queue import Message, Queue
@@ -453,19 +452,10 @@ class Worker:
             try:
                 self._fire(message)
                 return
-            except StaleMessageError:
-                log.info("schedule driver %s was no longer held", message.id)
-                return
             except LonnyMQError as err:
-                if not isinstance(err, DatabaseError) or attempt == REPORT_TRIES:
-                    log.error(
-                        "schedule driver %s: could not fire (%s); its lock will expire",
-                        message.id,
-                        err,
-                    )
+                delay = _policy.fire_retry_delay(log, message.id, err, attempt)
+                if delay is None:
                     return
-                delay = _policy.reconnect_delay(attempt)
-                log.warning("firing failed (%s); trying again in %.1fs", err, delay)
                 time.sleep(delay)
 
     def _fire(self, message: Message) -> None:

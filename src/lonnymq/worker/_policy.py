@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
-from ..errors import InvalidArgumentError
+from ..errors import DatabaseError, InvalidArgumentError, LonnyMQError, StaleMessageError
 from ..schedule import SCHEDULE_CHANNEL
 from ..types import AckStatus, ChannelStats, Outcome
 
@@ -315,6 +315,24 @@ def reconnect_delay(failures: int) -> float:
     """Seconds to wait after ``failures`` consecutive lost connections (0.1 s doubling, at most
     30 s)."""
     return float(min(30.0, 0.1 * 2 ** min(max(failures - 1, 0), 10)))
+
+
+def fire_retry_delay(
+    log: logging.Logger, message_id: int, err: LonnyMQError, attempt: int
+) -> float | None:
+    """After attempt ``attempt`` at firing schedule driver ``message_id`` failed with ``err``:
+    the seconds to wait before the next attempt, or None to give up (the driver is no longer
+    held, the error is not a lost connection, or the tries are spent: its lock will expire).
+    Logs what it decided on ``log``."""
+    if isinstance(err, StaleMessageError):
+        log.info("schedule driver %s was no longer held", message_id)
+        return None
+    if not isinstance(err, DatabaseError) or attempt == REPORT_TRIES:
+        log.error("schedule driver %s: could not fire (%s); its lock will expire", message_id, err)
+        return None
+    delay = reconnect_delay(attempt)
+    log.warning("firing failed (%s); trying again in %.1fs", err, delay)
+    return delay
 
 
 class _Claim(Protocol):
