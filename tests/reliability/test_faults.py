@@ -233,6 +233,63 @@ def test_a_worker_rides_out_restarts_without_being_restarted(
     assert rows == [("completed", 30, 30)]
 
 
+@pytest.mark.parametrize("kind", ["Worker", "AsyncWorker"])
+def test_an_outcome_waiting_through_an_outage_is_reported_once_the_server_is_back(
+    server: RestartableServer, schema_name: str, kind: str
+) -> None:
+    # Each report fails within a second (pool_timeout) while the server is down for ten: more
+    # than a handful of tries, less than the lock. The outcome must wait for the server rather
+    # than be dropped to the lock's expiry (the handler would run again).
+    seen: list[int] = []
+    down = threading.Event()
+
+    def outage() -> None:
+        server.kill()
+        down.set()
+        threading.Timer(10.0, server.start).start()
+
+    async def run_async() -> int:
+        async with AsyncQueue(server.dsn, schema=schema_name, pool_timeout=1.0) as queue:
+
+            async def handler(message: AsyncMessage) -> None:
+                seen.append(message.id)
+                if len(seen) == 2:
+                    await asyncio.to_thread(outage)
+
+            worker = AsyncWorker(queue, handler, concurrency=1, lock_ms=60_000)
+            return (await worker.run(handle_signals=False, until_idle=True)).completed
+
+    with Queue(server.dsn, schema=schema_name) as setup:
+        setup.install(archive=True)
+        setup.create_many([NewMessage(b"m%d" % i, channel="c") for i in range(4)])
+    try:
+        if kind == "Worker":
+            with Queue(server.dsn, schema=schema_name, pool_timeout=1.0) as queue:
+
+                def handler(message: Message) -> None:
+                    seen.append(message.id)
+                    if len(seen) == 2:
+                        outage()
+
+                worker = Worker(queue, handler, concurrency=1, lock_ms=60_000)
+                completed = worker.run(handle_signals=False, until_idle=True).completed
+        else:
+            completed = asyncio.run(run_async())
+    finally:
+        if down.is_set():
+            server.wait_ready()
+    assert completed == 4
+    assert sorted(seen) == sorted(set(seen))  # nothing ran twice
+    assert len(seen) == 4
+    with psycopg.connect(server.dsn) as conn:
+        rows = conn.execute(
+            sql.SQL(
+                "SELECT outcome, count(DISTINCT id), count(*) FROM {}.archive GROUP BY 1"
+            ).format(sql.Identifier(schema_name))
+        ).fetchall()
+    assert rows == [("completed", 4, 4)]
+
+
 def test_an_async_worker_rides_out_restarts_without_being_restarted(
     server: RestartableServer, schema_name: str
 ) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import logging
 import queue
 import random
@@ -312,16 +313,17 @@ class Worker:
         if self._stopping.is_set():
             limit = 0
         outcomes = [r.outcome for r in reports]
-        for attempt in range(1, REPORT_TRIES + 1):
+        give_up_at = time.monotonic() + self.options.lock_ms / 1000
+        for attempt in itertools.count(1):
             try:
                 batch = self.queue.settle(outcomes, limit, lock_ms=self.options.lock_ms)
                 break
             except LonnyMQError as err:
                 if not reports:
                     raise
-                if isinstance(err, DatabaseError) and attempt < REPORT_TRIES:
-                    delay = _policy.reconnect_delay(attempt)
-                    log.warning("report failed (%s); trying again in %.1fs", err, delay)
+                left_s = give_up_at - time.monotonic()
+                delay = _policy.report_retry_delay(log, err, attempt, left_s)
+                if delay is not None:
                     time.sleep(delay)
                     continue
                 with self._lock:

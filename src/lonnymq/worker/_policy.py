@@ -317,6 +317,22 @@ def reconnect_delay(failures: int) -> float:
     return float(min(30.0, 0.1 * 2 ** min(max(failures - 1, 0), 10)))
 
 
+def report_retry_delay(
+    log: logging.Logger, err: LonnyMQError, attempt: int, left_s: float
+) -> float | None:
+    """After attempt ``attempt`` at reporting outcomes failed with ``err``, ``left_s`` seconds
+    before the messages' locks may expire (their heartbeats fail too while the database is out
+    of reach): the seconds to wait before the next attempt, or None to give up. A lost
+    connection is retried with backoff while the locks may still be held, so that a server
+    restart does not make handlers that have returned run again; any other error gives up at
+    once. Logs a retry on ``log``."""
+    if not isinstance(err, DatabaseError) or left_s <= 0:
+        return None
+    delay = min(reconnect_delay(attempt), left_s)
+    log.warning("report failed (%s); trying again in %.1fs", err, delay)
+    return delay
+
+
 def fire_retry_delay(
     log: logging.Logger, message_id: int, err: LonnyMQError, attempt: int
 ) -> float | None:
