@@ -21,6 +21,7 @@ gives back the rest, so no lock is left to expire.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -493,6 +494,10 @@ class Worker:
         conn: psycopg.Connection[Any] | None = None
         next_round = time.monotonic() + period
         try:
+            # Connected before the first lock needs renewing (a connection made then would
+            # eat into the lock's margin); connected again at a round when this fails.
+            with contextlib.suppress(psycopg.Error):
+                conn = psycopg.connect(self.queue.dsn, autocommit=True)
             while True:
                 wait = max(0.0, next_round - time.monotonic())
                 if self._stopping.is_set():

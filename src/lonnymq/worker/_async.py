@@ -433,6 +433,10 @@ class AsyncWorker:
         conn: psycopg.AsyncConnection[Any] | None = None
         next_round = time.monotonic() + period
         try:
+            # Connected before the first lock needs renewing (a connection made then would
+            # eat into the lock's margin); connected again at a round when this fails.
+            with contextlib.suppress(psycopg.Error):
+                conn = await psycopg.AsyncConnection.connect(self.queue.dsn, autocommit=True)
             while True:
                 await asyncio.sleep(max(0.0, next_round - time.monotonic()))
                 next_round = max(next_round + period, time.monotonic())
