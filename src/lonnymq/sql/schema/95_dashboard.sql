@@ -35,7 +35,9 @@ BEGIN
     scheduled := waiting - due;
     SELECT count(*) INTO locked FROM message m WHERE m.is_locked;
     -- The first entry of channel_ready_ix: the earliest servable channel's next time.
-    SELECT greatest(v_now - c.next_dequeue_at, 0) INTO lag_ms
+    -- (In NUMERIC: a head created with a historic dequeue_at may lie far before the epoch.)
+    SELECT least(greatest(v_now::NUMERIC - c.next_dequeue_at, 0), 9223372036854775807)::BIGINT
+        INTO lag_ms
         FROM channel c
         WHERE c.next_dequeue_at IS NOT NULL
           AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
