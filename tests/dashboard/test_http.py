@@ -3,17 +3,23 @@ escaping of hostile names and contents, mounting in another application, and the
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import psycopg
 import pytest
+import uvicorn
 from psycopg import sql
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -158,6 +164,45 @@ def test_mounted_in_another_application_links_stay_under_its_path(
     assert 'href="/ops/queue/channel?name=mounted"' in body
     assert 'src="/ops/queue/static/htmx.min.js"' in body
     assert _get(served, "/ops/queue/static/style.css")[0] == 200
+
+
+def test_the_embedding_example_serves_the_dashboard_under_its_mount(
+    dsn: str, queue: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/dashboard_embed.py (included in the docs), served as uvicorn serves it: its
+    lifespan opens the queue, and the dashboard answers under its mount, with the token."""
+    path = Path(__file__).resolve().parents[2] / "examples" / "dashboard_embed.py"
+    code = path.read_text("utf-8").replace('schema="shop"', f'schema="{queue.schema}"')
+    queue.create(b"m", channel="embedded")
+    monkeypatch.setenv("LONNYMQ_DSN", dsn)
+    monkeypatch.setenv("LONNYMQ_TOKEN", "s3cret")
+    namespace: dict[str, Any] = {"__name__": "dashboard_embed"}
+    exec(compile(code, str(path), "exec"), namespace)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(namespace["app"], log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[listener])))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:  # its lifespan has opened the queue
+            assert thread.is_alive(), "it stopped before it started"
+            assert time.monotonic() < deadline, "it never started"
+            time.sleep(0.05)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("GET", "/ops/queue/channels", headers={"Authorization": "Bearer s3cret"})
+            response = conn.getresponse()
+            body = response.read().decode()
+        finally:
+            conn.close()
+        assert response.status == 200, body
+        assert 'href="/ops/queue/channel?name=embedded"' in body
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        listener.close()
+    assert not thread.is_alive()
 
 
 def test_app_refuses_what_is_not_an_async_queue(queue: Queue) -> None:

@@ -20,6 +20,7 @@ DOCS = ROOT / "docs"
 ELSEWHERE = {
     "spark_pipeline.py": "tests/spark/test_readme.py",
     "security.py": "tests/security/test_grant.py",
+    "dashboard_embed.py": "tests/dashboard/test_http.py",
 }
 RUN_HERE = sorted(
     p.name for p in EXAMPLES.glob("*.py") if p.name not in ELSEWHERE and p.name != "quickstart.py"

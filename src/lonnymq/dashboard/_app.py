@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.datastructures import URL
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -202,6 +202,12 @@ class TokenGate:
     def __init__(self, app: ASGIApp, token: str) -> None:
         self._app = app
         self._token = token.encode()
+
+    @property
+    def routes(self) -> list[BaseRoute]:
+        """The dashboard's routes: a ``Mount`` of this gate in another application finds them
+        here when a page builds its links (``url_for``)."""
+        return list(getattr(self._app, "routes", []))
 
     def _good(self, candidate: str | None) -> bool:
         return candidate is not None and hmac.compare_digest(candidate.encode(), self._token)
