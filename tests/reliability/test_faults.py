@@ -23,7 +23,7 @@ from psycopg import sql
 from lonnymq import AsyncMessage, AsyncQueue, Message, NewMessage, Queue
 from lonnymq.errors import DatabaseUnavailableError
 from lonnymq.queue import RECONNECT_GIVE_UP_S
-from lonnymq.worker import AsyncWorker, Worker
+from lonnymq.worker import AsyncWorker, Worker, _policy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pgserver import RestartableServer
@@ -288,6 +288,34 @@ def test_an_outcome_waiting_through_an_outage_is_reported_once_the_server_is_bac
             ).format(sql.Identifier(schema_name))
         ).fetchall()
     assert rows == [("completed", 4, 4)]
+
+
+def test_a_worker_stopping_during_an_outage_gives_up_its_report_after_grace(
+    server: RestartableServer, schema_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A report is retried while its lock may be held (here 10 minutes), but once the worker
+    # stops, only until its grace period and REPORT_WAIT_S after it (2 s here) are over.
+    monkeypatch.setattr(_policy, "REPORT_WAIT_S", 2.0)
+    with Queue(server.dsn, schema=schema_name) as setup:
+        setup.install()
+        setup.create_many([NewMessage(b"m%d" % i, channel="c") for i in range(2)])
+    try:
+        with Queue(server.dsn, schema=schema_name, pool_timeout=1.0) as queue:
+
+            def handler(message: Message) -> None:
+                server.kill()
+                worker.stop()
+
+            worker = Worker(queue, handler, concurrency=1, lock_ms=600_000, grace_s=0.5)
+            started = time.monotonic()
+            stats = worker.run(handle_signals=False)
+            took = time.monotonic() - started
+    finally:
+        server.start()
+    assert took < 0.5 + 2.0 + 10  # (one more try after the last wait: its pool_timeout)
+    assert stats.completed == 0
+    with Queue(server.dsn, schema=schema_name) as after:  # nothing lost: held until it expires
+        assert [(s.channel, s.size, s.in_flight) for s in after.stats()] == [("c", 2, 1)]
 
 
 def test_an_async_worker_rides_out_restarts_without_being_restarted(

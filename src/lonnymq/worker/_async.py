@@ -263,7 +263,7 @@ class AsyncWorker:
         if self._stopping.is_set():
             limit = 0
         outcomes = [r.outcome for r in reports]
-        give_up_at = time.monotonic() + self.options.lock_ms / 1000
+        started = time.monotonic()
         for attempt in itertools.count(1):
             try:
                 batch = await self.queue.settle(outcomes, limit, lock_ms=self.options.lock_ms)
@@ -271,6 +271,8 @@ class AsyncWorker:
             except LonnyMQError as err:
                 if not reports:
                     raise
+                stopped_at = self._stopped_at if self._stopping.is_set() else None
+                give_up_at = _policy.report_give_up_at(started, self.options, stopped_at)
                 left_s = give_up_at - time.monotonic()
                 delay = _policy.report_retry_delay(log, err, attempt, left_s)
                 if delay is not None:

@@ -305,7 +305,7 @@ def sleep_ms(retry_at: int | None, now_ms: int, idle_ms: int, empties: int = 0) 
 
 
 REPORT_TRIES = 5
-"""Attempts at reporting an outcome while the connection is being re-established."""
+"""Attempts at firing a schedule's driver while the connection is being re-established."""
 
 REPORT_WAIT_S = 30.0
 """How long a stopping worker waits, after the grace period, for outcomes being reported."""
@@ -315,6 +315,17 @@ def reconnect_delay(failures: int) -> float:
     """Seconds to wait after ``failures`` consecutive lost connections (0.1 s doubling, at most
     30 s)."""
     return float(min(30.0, 0.1 * 2 ** min(max(failures - 1, 0), 10)))
+
+
+def report_give_up_at(started: float, options: WorkerOptions, stopped_at: float | None) -> float:
+    """The monotonic time at which a report begun at ``started`` is no longer retried: when
+    its messages' locks may have expired (``lock_ms``), or, once the worker is stopping (since
+    ``stopped_at``), when its grace period and ``REPORT_WAIT_S`` after it have passed, if
+    that comes first."""
+    give_up_at = started + options.lock_ms / 1000
+    if stopped_at is not None:
+        give_up_at = min(give_up_at, stopped_at + options.grace_s + REPORT_WAIT_S)
+    return give_up_at
 
 
 def report_retry_delay(
