@@ -416,17 +416,6 @@ class Worker:
                         )
                         self.stop()
                 self.metrics.observe(message.channel, time.perf_counter() - started)
-                with self._lock:
-                    skip = task.abandoned or task.lost
-                    task.reporting = not skip
-                if skip:
-                    log.warning(
-                        "message %s: handler ended after its lock was %s; result not reported",
-                        message.id,
-                        "given back" if task.abandoned else "lost",
-                        extra=_fields(message),
-                    )
-                    return
                 decision = _policy.after_run(
                     message, error, self.options, self._db_now(), self._rng
                 )
@@ -438,10 +427,26 @@ class Worker:
                         error,
                         extra=_fields(message),
                     )
-            else:
-                with self._lock:
+            report = _policy.Report(
+                task, _policy.outcome_of(message, decision), decision.action.value
+            )
+            with self._lock:
+                # Checked, marked and queued at once: a shutdown sees this run either still
+                # running (it gives the message back, and the outcome is dropped here) or with
+                # its outcome waiting (it reports it), never between the two.
+                skip = task.abandoned or task.lost
+                if not skip:
                     task.reporting = True
-            self._submit(task, _policy.outcome_of(message, decision), decision.action.value)
+                    self._pending.add(report, time.monotonic())
+            if skip:
+                log.warning(
+                    "message %s: handler ended after its lock was %s; result not reported",
+                    message.id,
+                    "given back" if task.abandoned else "lost",
+                    extra=_fields(message),
+                )
+                return
+            self._wake.set()
             submitted = True
         finally:
             if not submitted:
