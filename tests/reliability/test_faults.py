@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -30,6 +31,17 @@ from pgserver import RestartableServer
 from test_soak import soak
 
 pytestmark = pytest.mark.own_server
+
+
+def _archived(server: RestartableServer, schema: str) -> list[tuple[Any, ...]]:
+    """Per outcome: the distinct messages archived, and the archive's rows (the same when
+    nothing was finished twice)."""
+    with psycopg.connect(server.dsn) as conn:
+        return conn.execute(
+            sql.SQL(
+                "SELECT outcome, count(DISTINCT id), count(*) FROM {}.archive GROUP BY 1"
+            ).format(sql.Identifier(schema))
+        ).fetchall()
 
 
 @pytest.fixture(scope="module")
@@ -224,13 +236,7 @@ def test_a_worker_rides_out_restarts_without_being_restarted(
     assert sorted(seen) == sorted(set(seen))  # locks outlast a handler: nothing ran twice
     assert len(seen) == 30
     assert sum(s.size for s in fault_queue.stats()) == 0
-    with psycopg.connect(server.dsn) as conn:
-        rows = conn.execute(
-            sql.SQL(
-                "SELECT outcome, count(DISTINCT id), count(*) FROM {}.archive GROUP BY 1"
-            ).format(sql.Identifier(fault_queue.schema))
-        ).fetchall()
-    assert rows == [("completed", 30, 30)]
+    assert _archived(server, fault_queue.schema) == [("completed", 30, 30)]
 
 
 @pytest.mark.parametrize("kind", ["Worker", "AsyncWorker"])
@@ -281,13 +287,7 @@ def test_an_outcome_waiting_through_an_outage_is_reported_once_the_server_is_bac
     assert completed == 4
     assert sorted(seen) == sorted(set(seen))  # nothing ran twice
     assert len(seen) == 4
-    with psycopg.connect(server.dsn) as conn:
-        rows = conn.execute(
-            sql.SQL(
-                "SELECT outcome, count(DISTINCT id), count(*) FROM {}.archive GROUP BY 1"
-            ).format(sql.Identifier(schema_name))
-        ).fetchall()
-    assert rows == [("completed", 4, 4)]
+    assert _archived(server, schema_name) == [("completed", 4, 4)]
 
 
 def test_a_worker_stopping_during_an_outage_gives_up_its_report_after_grace(
@@ -352,13 +352,7 @@ def test_an_async_worker_rides_out_restarts_without_being_restarted(
     assert left == 0
     assert sorted(seen) == sorted(set(seen))  # nothing ran twice
     assert len(seen) == 30
-    with psycopg.connect(server.dsn) as conn:
-        rows = conn.execute(
-            sql.SQL(
-                "SELECT outcome, count(DISTINCT id), count(*) FROM {}.archive GROUP BY 1"
-            ).format(sql.Identifier(schema_name))
-        ).fetchall()
-    assert rows == [("completed", 30, 30)]
+    assert _archived(server, schema_name) == [("completed", 30, 30)]
 
 
 @pytest.mark.slow
