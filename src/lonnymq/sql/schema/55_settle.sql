@@ -18,9 +18,12 @@
 -- refused outcome changes nothing. The array arguments other than ids, attempts and outcomes
 -- may be NULL (all NULL). Then, when p_limit > 0, the messages taken (as
 -- message_dequeue_many): rows with status 'locked', or one row 'empty' with retry_at.
--- Locks: as message_delete_many, message_defer_many, message_finish_try and message_create
--- (a dead-lettered message's row first, then its target channel's), in that order, then as
--- message_dequeue_loop.
+-- Locks: the messages held by these attempts in (channel, id) order, then the shared advisory
+-- locks of their channels and of the dead letters' channels in name order, then the rows of
+-- those with a policy and of those a defer or a dead letter writes (created when missing), in
+-- name order: all of them before any outcome is applied (when every outcome is a complete, or
+-- every one a defer, message_delete_many or message_defer_many takes them in that order
+-- itself); then as message_dequeue_loop.
 -- Raises: LQ003 (bad limit or lock_ms, mismatched arrays, unknown outcome, NULL ids or
 -- attempts, bad times), LQ005 (a dead letter without a valid channel), LQ006.
 CREATE OR REPLACE FUNCTION message_settle(
@@ -40,6 +43,12 @@ DECLARE
     v_count INTEGER := cardinality(p_ids);
     v_status TEXT[];
     v_pick INTEGER[];
+    v_ids BIGINT[];
+    v_attempts INTEGER[];
+    v_dequeue_ats BIGINT[];
+    v_states BYTEA[];
+    v_names TEXT[];
+    v_written BOOLEAN[];
     v_item RECORD;
     v_content BYTEA;
     v_created TEXT;
@@ -89,31 +98,69 @@ BEGIN
     END IF;
     v_status := array_fill(NULL::TEXT, ARRAY[v_count]);
 
-    v_pick := ARRAY(SELECT t.ord FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
-                    WHERE t.outcome = 'completed' ORDER BY t.ord);
-    IF cardinality(v_pick) > 0 THEN
+    -- Every lock the phases below may wait for, taken first and in one order: the messages
+    -- still held by these attempts in (channel, id) order, then their channels' and the dead
+    -- letters' target channels' shared advisory locks in name order, then, in name order, the
+    -- rows of those with a policy and of those a defer or a dead letter writes. Taken phase by
+    -- phase instead (completes, then defers, then failures one by one), two settles could each
+    -- hold a channel row the other waits for. A batch of completes only, or of defers only, is
+    -- left to its batch function, which takes its locks in that order itself.
+    IF NOT (p_outcomes <@ ARRAY['completed'] OR p_outcomes <@ ARRAY['deferred']) THEN
+        WITH held AS (
+            SELECT m.channel, t.outcome, t.target
+            FROM message m
+            JOIN unnest(p_ids, p_num_attempts, p_outcomes, p_channels)
+                AS t(id, num_attempts, outcome, target) ON t.id = m.id
+            WHERE m.unlock_at IS NOT NULL AND m.num_attempts = t.num_attempts
+            ORDER BY m.channel, m.id
+            FOR UPDATE OF m
+        ), involved AS (
+            SELECT h.channel AS name, h.outcome = 'deferred' AS written FROM held h
+            UNION ALL
+            SELECT h.target, TRUE FROM held h WHERE h.outcome = 'dead_lettered'
+        )
+        SELECT array_agg(i.name ORDER BY i.name), array_agg(i.written ORDER BY i.name)
+        INTO v_names, v_written
+        FROM (SELECT v.name, bool_or(v.written) AS written FROM involved v GROUP BY v.name) i;
+        IF v_names IS NOT NULL THEN
+            PERFORM pg_advisory_xact_lock_shared(channel_key(u.name))
+            FROM unnest(v_names) WITH ORDINALITY AS u(name, ord)
+            ORDER BY u.ord;
+            -- A statement of its own, after the advisory locks: a policy set before them is
+            -- seen, and none can be set until this transaction ends.
+            PERFORM channel_lock(u.name)
+            FROM unnest(v_names, v_written) WITH ORDINALITY AS u(name, written, ord)
+            WHERE u.written OR EXISTS (SELECT FROM channel c WHERE c.name = u.name AND c.has_policy)
+            ORDER BY u.ord;
+        END IF;
+    END IF;
+
+    SELECT array_agg(t.ord ORDER BY t.ord), array_agg(p_ids[t.ord] ORDER BY t.ord),
+           array_agg(p_num_attempts[t.ord] ORDER BY t.ord)
+    INTO v_pick, v_ids, v_attempts
+    FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
+    WHERE t.outcome = 'completed';
+    IF v_pick IS NOT NULL THEN
         FOR v_item IN
-            SELECT d.status, d.n FROM message_delete_many(
-                ARRAY(SELECT p_ids[o] FROM unnest(v_pick) WITH ORDINALITY AS u(o, n) ORDER BY n),
-                ARRAY(SELECT p_num_attempts[o] FROM unnest(v_pick) WITH ORDINALITY AS u(o, n)
-                      ORDER BY n)) WITH ORDINALITY AS d(id, status, n)
+            SELECT d.status, d.n FROM message_delete_many(v_ids, v_attempts)
+                WITH ORDINALITY AS d(id, status, n)
         LOOP
             v_status[v_pick[v_item.n]] := v_item.status;
         END LOOP;
     END IF;
 
-    v_pick := ARRAY(SELECT t.ord FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
-                    WHERE t.outcome = 'deferred' ORDER BY t.ord);
-    IF cardinality(v_pick) > 0 THEN
+    SELECT array_agg(t.ord ORDER BY t.ord), array_agg(p_ids[t.ord] ORDER BY t.ord),
+           array_agg(p_num_attempts[t.ord] ORDER BY t.ord),
+           array_agg(p_dequeue_ats[t.ord] ORDER BY t.ord),
+           array_agg(p_states[t.ord] ORDER BY t.ord)
+    INTO v_pick, v_ids, v_attempts, v_dequeue_ats, v_states
+    FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
+    WHERE t.outcome = 'deferred';
+    IF v_pick IS NOT NULL THEN
         FOR v_item IN
-            SELECT d.status, d.n FROM message_defer_many(
-                ARRAY(SELECT p_ids[o] FROM unnest(v_pick) WITH ORDINALITY AS u(o, n) ORDER BY n),
-                ARRAY(SELECT p_num_attempts[o] FROM unnest(v_pick) WITH ORDINALITY AS u(o, n)
-                      ORDER BY n),
-                ARRAY(SELECT p_dequeue_ats[o] FROM unnest(v_pick) WITH ORDINALITY AS u(o, n)
-                      ORDER BY n),
-                ARRAY(SELECT p_states[o] FROM unnest(v_pick) WITH ORDINALITY AS u(o, n)
-                      ORDER BY n)) WITH ORDINALITY AS d(id, status, n)
+            SELECT d.status, d.n
+            FROM message_defer_many(v_ids, v_attempts, v_dequeue_ats, v_states)
+                WITH ORDINALITY AS d(id, status, n)
         LOOP
             v_status[v_pick[v_item.n]] := v_item.status;
         END LOOP;
