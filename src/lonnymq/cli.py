@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import sys
 import textwrap
 import threading
@@ -417,6 +416,13 @@ def _parser() -> argparse.ArgumentParser:
             default=8)  # fmt: skip
     _option(demo, "batch", "orders per Spark micro-batch", type=int, default=25_000)
     demo.add_argument(
+        "--dashboard",
+        type=int,
+        metavar="PORT",
+        help="serve the dashboard of both queues on 127.0.0.1:PORT (0: any free port) while "
+        "the demo runs, read-only (needs the dashboard extra)",
+    )
+    demo.add_argument(
         "--out",
         default=os.environ.get("LONNYMQ_DEMO_OUT", "demo-output"),
         help="where the dataset, report.png, report.json and spark.log go "
@@ -571,8 +577,17 @@ def _run(args: argparse.Namespace) -> int:
             if value < low or (high is not None and value > high):
                 bounds = f">= {low}" if high is None else f"between {low} and {high}"
                 raise InvalidArgumentError(f"--{name} must be {bounds}, got {value}")
+        if args.dashboard is not None and not 0 <= args.dashboard <= 65_535:
+            raise InvalidArgumentError(
+                f"--dashboard must be a port between 0 and 65535, got {args.dashboard}"
+            )
         return run_demo(
-            dsn=args.dsn, rows=args.rows, workers=args.workers, out=args.out, batch=args.batch
+            dsn=args.dsn,
+            rows=args.rows,
+            workers=args.workers,
+            out=args.out,
+            batch=args.batch,
+            dashboard=args.dashboard,
         )
     if args.command == "dashboard":
         return _dashboard(args)
@@ -583,29 +598,29 @@ def _run(args: argparse.Namespace) -> int:
 
 def _dashboard(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
-        from .dashboard import app
+        from .dashboard import _serve
     except ImportError as err:
         raise InvalidArgumentError(
             f"the dashboard needs its extra: pip install 'lonnymq[dashboard]' ({err})"
         ) from err
     if not 0 <= args.port <= 65_535:
         raise InvalidArgumentError(f"--port must be between 0 and 65535, got {args.port}")
-    listener = socket.create_server((args.host, args.port))
+    listener = _serve.listen(args.host, args.port)
 
-    async def serve() -> None:
-        async with AsyncQueue(args.dsn, schema=args.schema) as aq:
-            await aq.now()  # the database is reachable and the schema installed
-            application = app(aq, read_only=args.read_only, token=args.token)
-            host, port = listener.getsockname()[:2]
-            shown = f"[{host}]" if ":" in host else host
-            print(f"lonnymq dashboard on http://{shown}:{port}/", flush=True)
-            config = uvicorn.Config(application, log_level="warning", lifespan="off")
-            await uvicorn.Server(config).serve(sockets=[listener])
+    def started(_server: object) -> None:
+        print(f"lonnymq dashboard on {_serve.url_of(listener)}", flush=True)
 
     with listener:
-        asyncio.run(serve())
+        asyncio.run(
+            _serve.serve(
+                listener,
+                args.dsn,
+                [args.schema],
+                read_only=args.read_only,
+                token=args.token,
+                started=started,
+            )
+        )
     return 0
 
 

@@ -24,6 +24,7 @@ once the prerequisites are known to be there).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -118,11 +119,13 @@ def java_version() -> tuple[str, int]:
     return java, major
 
 
-def check_packages() -> None:
-    """pyspark, pyarrow and matplotlib: the ``demo`` extra."""
-    missing = [
-        m for m in ("pyspark", "pyarrow", "matplotlib") if importlib.util.find_spec(m) is None
-    ]
+def check_packages(*, dashboard: bool = False) -> None:
+    """pyspark, pyarrow and matplotlib: the ``demo`` extra; with ``dashboard``, also the
+    ``dashboard`` extra (which the ``demo`` extra includes)."""
+    wanted = ["pyspark", "pyarrow", "matplotlib"]
+    if dashboard:
+        wanted += ["starlette", "jinja2", "uvicorn"]
+    missing = [m for m in wanted if importlib.util.find_spec(m) is None]
     if missing:
         raise MissingPrerequisite(
             f"the demo needs {', '.join(missing)}: pip install 'lonnymq[demo]' "
@@ -334,12 +337,20 @@ def _left(queue: Queue) -> int:
 
 
 def run_demo(
-    *, dsn: str | None, rows: int, workers: int, out: str | os.PathLike[str], batch: int
+    *,
+    dsn: str | None,
+    rows: int,
+    workers: int,
+    out: str | os.PathLike[str],
+    batch: int,
+    dashboard: int | None = None,
 ) -> int:
-    """Run the demo pipeline; returns the process exit code (0 when every check held)."""
+    """Run the demo pipeline; returns the process exit code (0 when every check held).
+    ``dashboard``: serve both queues' dashboard, read-only, on that port of 127.0.0.1 (0: any
+    free port) while the demo runs."""
     display = Display()
     try:
-        check_packages()
+        check_packages(dashboard=dashboard is not None)
         java, major = java_version()
     except MissingPrerequisite as err:
         print(f"lonnymq demo: {err}", file=sys.stderr)
@@ -369,13 +380,20 @@ def run_demo(
         with Queue(dsn, schema=ORDERS_SCHEMA) as q:
             q.install(archive=True)
 
-    with display.step("Starting Spark") as step:
-        spark = spark_demo.start_spark(out_dir / "spark.log")
-        step.append(
-            f"Spark {spark.version} on local[2] (Java {major}, {java}); "
-            f"its log: {out_dir / 'spark.log'}"
-        )
-    try:
+    with contextlib.ExitStack() as stack:
+        if dashboard is not None:
+            from .dashboard._serve import Background
+
+            served = Background(dsn, [NOTIFY_SCHEMA, ORDERS_SCHEMA], port=dashboard, read_only=True)
+            stack.callback(served.close)
+            display.line(f"The dashboard (read-only) is on {served.url} while the demo runs")
+        with display.step("Starting Spark") as step:
+            spark = spark_demo.start_spark(out_dir / "spark.log")
+            step.append(
+                f"Spark {spark.version} on local[2] (Java {major}, {java}); "
+                f"its log: {out_dir / 'spark.log'}"
+            )
+        stack.callback(spark_demo.stop_spark, spark)
         return _pipeline(
             spark=spark,
             spark_demo=spark_demo,
@@ -386,8 +404,6 @@ def run_demo(
             out_dir=out_dir,
             batch=batch,
         )
-    finally:
-        spark_demo.stop_spark(spark)
 
 
 def _pipeline(

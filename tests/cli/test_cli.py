@@ -268,6 +268,12 @@ def test_demo_refuses_a_tiny_dataset(dsn: str) -> None:
     assert "--rows must be >= 100" in result.stderr
 
 
+def test_demo_refuses_a_dashboard_port_out_of_range(dsn: str) -> None:
+    result = _run(dsn, "demo", "--dashboard", "70000")
+    assert result.returncode == 1
+    assert "--dashboard must be a port between 0 and 65535, got 70000" in result.stderr
+
+
 def _run_in(
     dsn: str, schema: str, *args: str, stdin: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
