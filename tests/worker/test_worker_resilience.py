@@ -172,11 +172,21 @@ def test_reconnect_delays_start_at_a_tenth_of_a_second_and_double_up_to_30() -> 
 
 @contextlib.contextmanager
 def _competitor(other: Queue) -> Iterator[list[int]]:
-    """Another consumer dequeuing every 50 ms while the block runs; yields the ids it took."""
+    """Another consumer dequeuing every 50 ms while the block runs, from the moment every
+    message is locked (the worker has taken them all: a competitor that started first could
+    take them itself on a slow start); yields the ids it took."""
     taken: list[int] = []
     stop = threading.Event()
+    waiting = sql.SQL("SELECT count(*) FROM {}.message WHERE NOT is_locked").format(
+        sql.Identifier(other.schema)
+    )
 
     def compete() -> None:
+        with psycopg.connect(other.dsn, autocommit=True) as conn:
+            while not stop.wait(0.01):
+                row = conn.execute(waiting).fetchone()
+                if row is not None and row[0] == 0:
+                    break
         while not stop.wait(0.05):
             taken.extend(m.id for m in other.dequeue_many(10, lock_ms=60_000))
 
