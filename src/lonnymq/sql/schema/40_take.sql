@@ -1,10 +1,12 @@
 -- Taking messages: dequeue one or many, and extend the locks of those you hold.
 --
 -- Each message is found by one index probe: first the oldest expired lock (its attempt is
--- counted again and its channel slot, never released, stays taken); otherwise the head of the
--- channel with the earliest next dequeue time that is under its concurrency limit. That
--- channel's next time moves to max(next head's dequeue_at, now + release interval) and it goes
--- behind channels with the same time (round robin). When every due channel's row is held by
+-- counted again and its channel slot, never released, stays taken), looked for only once the
+-- clock has reached the lock gate, so about once a second rather than by every take (see
+-- message_recover); otherwise the head of the channel with the earliest next dequeue time
+-- that is under its concurrency limit. That channel's next time moves to max(next head's
+-- dequeue_at, now + release interval) and it goes behind channels with the same time (round
+-- robin). When every due channel's row is held by
 -- another dequeue, a channel without a policy is served anyway: its next waiting heads are
 -- taken without its row ("riding along": they are distinct rows, locked with SKIP LOCKED). A
 -- channel with a policy must be served under its row: the call then polls that row (NOWAIT,
@@ -21,6 +23,53 @@
 -- probe is one ordered index scan, whatever the statistics say of a table that churns.
 
 
+-- message_recover(): lock again for p_lock_ms, at the clock p_now, the message whose lock
+-- expired first (its holder is gone; its channel slot was never released, so the channel is
+-- not touched), counting an attempt; or, when none has, return no message (its fields all
+-- NULL) and close the lock gate for a second (lock_gate_seq and lock_sweep_seq, in the
+-- migrations, say what they hold).
+-- p_gate: the gate as the caller read it. The probe starts 5 s before the last look that found
+-- nothing (what had expired by then was found then), or at the gate when that is earlier (a
+-- lock set since that expires before: the clock moved back), so that its cost does not grow
+-- with the index entries a long transaction keeps alive; the first look of each minute starts
+-- from the lowest expiry instead, and finds what a narrower look cannot: a lock committed more
+-- than 5 s after the clock it took (a long transaction's dequeue), or one whose row another
+-- session held at the last look and let go.
+-- Locks: the message it returns (SKIP LOCKED). Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION message_recover(p_now BIGINT, p_lock_ms BIGINT, p_gate BIGINT)
+RETURNS message
+LANGUAGE plpgsql
+-- One probe of message_unlock_ix, whatever the statistics say.
+SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_last BIGINT := (SELECT s.last_value FROM lock_sweep_seq s);
+    v_message message;
+BEGIN
+    UPDATE message m SET
+        unlock_at = p_now + p_lock_ms,
+        locked_at = p_now,
+        num_attempts = m.num_attempts + 1
+    WHERE m.id = (
+        SELECT e.id FROM message e
+        WHERE e.is_locked AND e.unlock_at <= p_now
+          AND (v_last / 60000 <> p_now / 60000
+               OR e.unlock_at >= least(least(v_last, p_now) - 5000, p_gate))
+        ORDER BY e.unlock_at, e.id
+        LIMIT 1
+        FOR UPDATE SKIP LOCKED)
+    RETURNING m.* INTO v_message;
+    -- Found one: the gate stays open, and the next take looks again. None: closed for a second.
+    IF NOT FOUND THEN
+        PERFORM setval('lock_sweep_seq', p_now);
+        PERFORM setval('lock_gate_seq', p_now + 1000);
+    END IF;
+    RETURN v_message;
+END;
+$$;
+
+
 -- message_take_one(): lock one message the usual way (see the top of this file), or return
 -- NULL and change nothing a later message_dequeue_loop would not: the channel row it locked,
 -- or a channel sent back by channel_rotate when none of its heads could be taken. A channel
@@ -35,24 +84,23 @@ AS $$
 DECLARE
     -- The clock as this call starts (see message_dequeue_loop).
     v_now BIGINT := epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT;
+    v_gate BIGINT := (SELECT g.last_value FROM lock_gate_seq g);
     v_message message;
     v_channel channel;
     v_busy TEXT;
 BEGIN
-    -- 1. A message whose lock expired (its channel slot was never released).
-    UPDATE message m SET
-        unlock_at = v_now + p_lock_ms,
-        locked_at = v_now,
-        num_attempts = m.num_attempts + 1
-    WHERE m.id = (
-        SELECT e.id FROM message e
-        WHERE e.is_locked AND e.unlock_at <= v_now
-        ORDER BY e.unlock_at, e.id
-        LIMIT 1
-        FOR UPDATE SKIP LOCKED)
-    RETURNING m.* INTO v_message;
-    IF FOUND THEN
-        RETURN v_message;
+    -- 1. A message whose lock expired (its channel slot was never released), once the lock
+    -- gate says one may have.
+    IF v_now >= v_gate THEN
+        v_message := message_recover(v_now, p_lock_ms, v_gate);
+        IF v_message.id IS NOT NULL THEN
+            RETURN v_message;
+        END IF;
+        v_gate := (SELECT g.last_value FROM lock_gate_seq g);
+    END IF;
+    -- A lock taken below would expire before the gate: bring the gate back to it first.
+    IF v_now + p_lock_ms < v_gate THEN
+        PERFORM setval('lock_gate_seq', v_now + p_lock_ms);
     END IF;
 
     -- 2. The head of the channel whose turn it is, if it has no policy.
@@ -180,7 +228,9 @@ DECLARE
     v_channel channel;
     v_release_at BIGINT;
     v_retry_at BIGINT;
-    v_recover BOOLEAN := TRUE;
+    -- Whether to look for expired locks: once the lock gate says one may have.
+    v_gate BIGINT := (SELECT g.last_value FROM lock_gate_seq g);
+    v_recover BOOLEAN := v_now >= v_gate;
     v_found BOOLEAN;
     v_waited BOOLEAN := FALSE;
     v_busy TEXT;
@@ -216,18 +266,8 @@ BEGIN
         -- 1. A message whose lock expired: its holder is gone. Its channel slot was never
         -- released, so the channel is not touched. Once none is found, stop looking.
         IF v_recover THEN
-            UPDATE message m SET
-                unlock_at = v_now + p_lock_ms,
-                locked_at = v_now,
-                num_attempts = m.num_attempts + 1
-            WHERE m.id = (
-                SELECT e.id FROM message e
-                WHERE e.is_locked AND e.unlock_at <= v_now
-                ORDER BY e.unlock_at, e.id
-                LIMIT 1
-                FOR UPDATE SKIP LOCKED)
-            RETURNING m.* INTO v_message;
-            v_recover := FOUND;
+            v_message := message_recover(v_now, p_lock_ms, v_gate);
+            v_recover := v_message.id IS NOT NULL;
         END IF;
 
         IF NOT v_recover THEN
@@ -619,13 +659,23 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
+    -- A lock that expires before the lock gate brings the gate back to it.
+    IF v_taken > 0 AND v_now + p_lock_ms < (SELECT g.last_value FROM lock_gate_seq g) THEN
+        PERFORM setval('lock_gate_seq', v_now + p_lock_ms);
+    END IF;
+
     IF v_taken = 0 THEN
+        -- The earliest lock expiry, from where message_recover's next look would start.
         SELECT least(
             (SELECT c.next_dequeue_at FROM channel c
              WHERE c.next_dequeue_at IS NOT NULL
                AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
              ORDER BY c.next_dequeue_at, c.turn LIMIT 1),
-            (SELECT m.unlock_at FROM message m WHERE m.is_locked
+            (SELECT m.unlock_at FROM message m
+             WHERE m.is_locked
+               AND m.unlock_at >= (
+                   SELECT least(s.last_value - 5000, g.last_value)
+                   FROM lock_sweep_seq s, lock_gate_seq g)
              ORDER BY m.unlock_at, m.id LIMIT 1))
         INTO v_retry_at;
         id := NULL; channel := NULL; content := NULL; state := NULL; num_attempts := NULL;
@@ -710,6 +760,10 @@ BEGIN
     IF NOT FOUND THEN
         PERFORM message_refuse(p_id, p_num_attempts);
     END IF;
+    -- A lock that now expires before the lock gate brings the gate back to it.
+    IF v_unlock_at < (SELECT g.last_value FROM lock_gate_seq g) THEN
+        PERFORM setval('lock_gate_seq', v_unlock_at);
+    END IF;
     RETURN v_unlock_at;
 END;
 $$;
@@ -742,6 +796,11 @@ BEGIN
     -- The clock as this call runs (see message_take_one), not as its transaction began.
     v_unlock_at := epoch() + p_lock_ms
         + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT;
+    -- Locks that now expire before the lock gate bring the gate back (it may move back for
+    -- nothing when every claim turns out stale: the next take then looks and finds nothing).
+    IF v_unlock_at < (SELECT g.last_value FROM lock_gate_seq g) THEN
+        PERFORM setval('lock_gate_seq', v_unlock_at);
+    END IF;
 
     RETURN QUERY
     WITH claim AS (
