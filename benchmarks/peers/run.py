@@ -127,23 +127,15 @@ def _commit() -> str | None:
     return done.stdout.strip() or None
 
 
-def _lonnymq_rows(args: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
-    profile = dataclasses.replace(
-        PROFILES["default"],
-        name="peers",
-        worker_seconds=args.seconds,
-        worker_concurrency=tuple(args.concurrency),
-    )
-    schemas = (args.schema, f"{args.schema}_raw")
-    bench = Bench(args.dsn, profile, args.out, log, schemas=schemas)
-    try:
-        rows = run_worker_shape(bench)
-    finally:
-        bench.close()
-        if bench.made_schemas:
-            drop_schemas(args.dsn, *schemas)
-    for row in rows:
-        row["loadavg_1m"] = os.getloadavg()[0]
+def _lonnymq_rows(bench: Bench, concurrency: int, log: Any) -> list[dict[str, Any]]:
+    """lonnymq's rows at ``concurrency``, each with the load average when it was measured
+    (``run_worker_shape`` logs each row as soon as it is measured: the load is read then)."""
+    bench.profile = dataclasses.replace(bench.profile, worker_concurrency=(concurrency,))
+    loads: list[float] = []
+    bench.log = lambda line: (loads.append(os.getloadavg()[0]), log(line))
+    rows = run_worker_shape(bench)
+    for row, load in zip(rows, loads, strict=True):
+        row["loadavg_1m"] = load
     return rows
 
 
@@ -163,6 +155,28 @@ def _peer_row(args: argparse.Namespace, key: str, peer: Peer, concurrency: int) 
             )
         finally:
             peer.close()
+
+
+def _peer_row_or_error(
+    args: argparse.Namespace,
+    key: str,
+    peer: Peer,
+    concurrency: int,
+    *,
+    floor: float | None,
+    log: Any,
+) -> dict[str, Any]:
+    """The peer's row, with its ratio to the floor; a peer that fails gets a row that says so
+    (the others still run)."""
+    try:
+        row = _peer_row(args, key, peer, concurrency)
+    except Exception as exc:
+        log(f"  {peer.name} at {concurrency}: FAILED {exc!r}")
+        return {"consumer": peer.name, "concurrency": concurrency, "error": repr(exc)}
+    row["x_floor"] = row["msgs_per_s"] / floor if floor else None
+    row["loadavg_1m"] = os.getloadavg()[0]
+    log(describe(row))
+    return row
 
 
 def _ms(value: float | None) -> str:
@@ -206,23 +220,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.concurrency}, load average {os.getloadavg()}")  # fmt: skip
     started, load_before = time.perf_counter(), os.getloadavg()
     rows: list[dict[str, Any]] = []
-    if not args.no_lonnymq:
-        rows += _lonnymq_rows(args, log)
-    floors = {r["concurrency"]: r["msgs_per_s"] for r in rows if r["consumer"] == "durable floor"}
-    for concurrency in args.concurrency:
-        for key, peer in peers.items():
-            try:
-                row = _peer_row(args, key, peer, concurrency)
-            except Exception as exc:  # a peer that fails is reported, the others still run
-                row = {"consumer": peer.name, "concurrency": concurrency, "error": repr(exc)}
-                log(f"  {peer.name} at {concurrency}: FAILED {exc!r}")
-                rows.append(row)
-                continue
-            floor = floors.get(concurrency)
-            row["x_floor"] = row["msgs_per_s"] / floor if floor else None
-            row["loadavg_1m"] = os.getloadavg()[0]
-            rows.append(row)
-            log(describe(row))
+    profile = dataclasses.replace(PROFILES["default"], name="peers", worker_seconds=args.seconds)
+    schemas = (args.schema, f"{args.schema}_raw")
+    bench = Bench(args.dsn, profile, args.out, log, schemas=schemas)
+    try:
+        # By concurrency, so that the rows compared with one another run minutes apart at most.
+        for concurrency in args.concurrency:
+            floor = None
+            if not args.no_lonnymq:
+                ours = _lonnymq_rows(bench, concurrency, log)
+                rows += ours
+                floor = next(r["msgs_per_s"] for r in ours if r["consumer"] == "durable floor")
+            for key, peer in peers.items():
+                rows.append(_peer_row_or_error(args, key, peer, concurrency, floor=floor, log=log))
+    finally:
+        bench.close()
+        if bench.made_schemas:
+            drop_schemas(args.dsn, *schemas)
     report = {
         "command": ["python", "-m", "benchmarks.peers", *(sys.argv[1:] if argv is None else argv)],
         "commit": _commit(),
