@@ -76,15 +76,26 @@ def database_url(dsn: str, database: str) -> str:
         auth += ":" + quote(str(params["password"]), safe="")
     host, port = str(params.get("host") or "localhost"), params.get("port")
     query: dict[str, str] = {}
-    if host.startswith("/"):  # a Unix socket's directory
-        query["host"] = host
+    if host.startswith("/"):  # a Unix socket's directory, in the query (awa refuses an
+        query["host"] = host  # empty host name, and this one is overridden by the query)
         if port:
             query["port"] = str(port)
-        netloc = auth + "@" if auth else ""
+        netloc = (auth + "@" if auth else "") + "localhost"
     else:
         netloc = (auth + "@" if auth else "") + host + (f":{port}" if port else "")
     url = f"postgresql://{netloc}/{quote(database, safe='')}"
     return url + ("?" + urlencode(query) if query else "")
+
+
+def asyncpg_params(dsn: str) -> dict[str, Any]:
+    """``asyncpg.connect``'s keyword arguments for ``dsn`` (asyncpg reads a URL's host from
+    its authority before its query, so a socket directory must be passed this way)."""
+    params = conninfo_to_dict(dsn)
+    names = {"host": "host", "port": "port", "user": "user", "password": "password"}
+    found = {ours: params[theirs] for theirs, ours in names.items() if params.get(theirs)}
+    if "port" in found:
+        found["port"] = int(found["port"])
+    return found | {"database": params.get("dbname")}
 
 
 def _drop(admin: psycopg.Connection[Any], database: str) -> None:

@@ -12,7 +12,7 @@ from pgqueuer import Job, Queries, QueueManager
 
 from lonnymq.bench_worker import HANDLER_S, Consumer, Load, since_ms, stamp, threadsafe
 
-from .common import Counter, LoopBridge, Peer
+from .common import Counter, LoopBridge, Peer, asyncpg_params
 
 ENTRYPOINT = "bench"
 
@@ -50,7 +50,7 @@ class PgQueuer(Peer):
     def open(self, dsn: str) -> None:
         self.dsn = dsn
         self.bridge = LoopBridge()
-        self.conn = self.bridge.run(asyncpg.connect(dsn))
+        self.conn = self.bridge.run(asyncpg.connect(**asyncpg_params(dsn)))
         self.queries = Queries.from_asyncpg_connection(self.conn)
         self.bridge.run(self.queries.install())
         self.counter = Counter(dsn)
@@ -73,7 +73,7 @@ class PgQueuer(Peer):
 
     def consumer(self, concurrency: int, load: Load) -> Consumer:
         async def main() -> None:
-            conn = await asyncpg.connect(self.dsn)
+            conn = await asyncpg.connect(**asyncpg_params(self.dsn))
             try:
                 manager = QueueManager(Queries.from_asyncpg_connection(conn))
 
