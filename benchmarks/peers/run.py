@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dsn",
         default=os.environ.get("LONNYMQ_DSN"),
-        help="the server (a postgresql:// URL; default: $LONNYMQ_DSN)",
+        help="the server, a URL or key=value string (default: $LONNYMQ_DSN)",
     )
     parser.add_argument(
         "--concurrency",
