@@ -1,5 +1,5 @@
-"""The runner: lonnymq's rows (``Worker``, ``AsyncWorker``, the durable floor) from
-``lonnymq.bench_worker``, then each peer at each concurrency, measured the same way
+"""The runner: at each concurrency in turn, lonnymq's rows (the durable floor, ``AsyncWorker``,
+``Worker``) from ``lonnymq.bench_worker``, then each peer, measured the same way
 (``measure_consumer``); a table on stdout and ``peers.json``.
 
     python -m benchmarks.peers [--dsn DSN] [--concurrency 8,32,128] [--seconds 20]
