@@ -27,7 +27,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext, suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from typing import Any
 
 import psycopg
@@ -37,7 +37,21 @@ from .queue import Queue
 from .queue_async import AsyncQueue
 from .types import NewMessage
 
-__all__ = ["BACKLOG", "CHANNELS", "CONSUMERS", "HANDLER_S", "run_worker_shape"]
+__all__ = [
+    "BACKLOG",
+    "CHANNELS",
+    "CONSUMERS",
+    "HANDLER_S",
+    "Consumer",
+    "Load",
+    "describe",
+    "measure_consumer",
+    "percentiles",
+    "run_worker_shape",
+    "since_ms",
+    "stamp",
+    "threadsafe",
+]
 
 BACKLOG = 4_000
 """Messages the producer keeps waiting while saturating."""
@@ -59,17 +73,17 @@ DRAIN_WAITS = 10
 _STAMP = struct.Struct("<d")
 
 
-def _stamp() -> bytes:
+def stamp() -> bytes:
     return _STAMP.pack(time.time())
 
 
-def _since(content: bytes) -> float:
+def since_ms(content: bytes) -> float:
     """ms from the creation stamped in ``content`` to now."""
     created: float = _STAMP.unpack(bytes(content[:8]))[0]
     return 1000 * (time.time() - created)
 
 
-class _Load:
+class Load:
     """The producer, and what the consumer's handlers report back to it (no lock needed:
     ``list.append`` is atomic)."""
 
@@ -116,7 +130,7 @@ class _Load:
             self.stop.wait(0.005)
 
 
-def _percentiles(timings: list[float]) -> dict[str, float | None]:
+def percentiles(timings: list[float]) -> dict[str, float | None]:
     if len(timings) < 2:
         return {"p50_ms": timings[0] if timings else None, "p99_ms": None}
     return {
@@ -125,7 +139,7 @@ def _percentiles(timings: list[float]) -> dict[str, float | None]:
     }
 
 
-class _Consumer:
+class Consumer:
     """A consumer running in a thread of its own until ``stop()``."""
 
     def __init__(self, target: Callable[[], None]) -> None:
@@ -144,7 +158,7 @@ class _Consumer:
         self.thread = threading.Thread(target=guarded, name="bench-consumer", daemon=True)
 
 
-def _threadsafe(loop: asyncio.AbstractEventLoop, call: Callable[[], None]) -> Callable[[], None]:
+def threadsafe(loop: asyncio.AbstractEventLoop, call: Callable[[], None]) -> Callable[[], None]:
     """``call`` on ``loop`` from another thread; nothing once the loop has ended (it failed)."""
 
     def stop() -> None:
@@ -154,11 +168,11 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, call: Callable[[], None]) -> Ca
     return stop
 
 
-def _worker(dsn: str, schema: str, concurrency: int, load: _Load) -> _Consumer:
+def _worker(dsn: str, schema: str, concurrency: int, load: Load) -> Consumer:
     from .worker import Worker
 
     def handler(message: Any) -> None:
-        load.pickups.append(_since(message.content))
+        load.pickups.append(since_ms(message.content))
         time.sleep(HANDLER_S)
 
     def target() -> None:
@@ -169,26 +183,26 @@ def _worker(dsn: str, schema: str, concurrency: int, load: _Load) -> _Consumer:
             consumer.ready.set()
             worker.run(handle_signals=False)
 
-    consumer = _Consumer(target)
+    consumer = Consumer(target)
     return consumer
 
 
-def _async_worker(dsn: str, schema: str, concurrency: int, load: _Load) -> _Consumer:
+def _async_worker(dsn: str, schema: str, concurrency: int, load: Load) -> Consumer:
     from .worker import AsyncWorker
 
     async def handler(message: Any) -> None:
-        load.pickups.append(_since(message.content))
+        load.pickups.append(since_ms(message.content))
         await asyncio.sleep(HANDLER_S)
 
     async def main() -> None:
         pool = min(concurrency, POOL_CAP) + 4
         async with AsyncQueue(dsn, schema=schema, pool_size=pool) as queue:
             worker = AsyncWorker(queue, handler, concurrency=concurrency, lock_ms=LOCK_MS)
-            consumer.stop = _threadsafe(asyncio.get_running_loop(), worker.stop)
+            consumer.stop = threadsafe(asyncio.get_running_loop(), worker.stop)
             consumer.ready.set()
             await worker.run(handle_signals=False)
 
-    consumer = _Consumer(lambda: asyncio.run(main()))
+    consumer = Consumer(lambda: asyncio.run(main()))
     return consumer
 
 
@@ -212,7 +226,7 @@ RETURNING d.id, d.attempts, d.payload
 _FLOOR_NOW = "floor(extract(epoch FROM now()) * 1000)::bigint"
 
 
-def _floor(dsn: str, raw: str, concurrency: int, load: _Load) -> _Consumer:
+def _floor(dsn: str, raw: str, concurrency: int, load: Load) -> Consumer:
     statement = sql.SQL(
         FLOOR_CYCLE.format(r=sql.Identifier(raw).as_string(), now=_FLOOR_NOW, lock_ms=LOCK_MS)
     )
@@ -225,13 +239,13 @@ def _floor(dsn: str, raw: str, concurrency: int, load: _Load) -> _Consumer:
 
         async def handle(message_id: int, attempts: int, payload: bytes) -> None:
             nonlocal running
-            load.pickups.append(_since(payload))
+            load.pickups.append(since_ms(payload))
             await asyncio.sleep(HANDLER_S)
             done.append((message_id, attempts))
             running -= 1
             finished.set()
 
-        consumer.stop = _threadsafe(asyncio.get_running_loop(), stopping.set)
+        consumer.stop = threadsafe(asyncio.get_running_loop(), stopping.set)
         consumer.ready.set()
         tasks: set[asyncio.Task[None]] = set()
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
@@ -257,11 +271,11 @@ def _floor(dsn: str, raw: str, concurrency: int, load: _Load) -> _Consumer:
             for task in list(tasks):
                 await task
 
-    consumer = _Consumer(lambda: asyncio.run(main()))
+    consumer = Consumer(lambda: asyncio.run(main()))
     return consumer
 
 
-def _measure(finished: Callable[[], int], load: _Load, seconds: float) -> tuple[float, list[float]]:
+def _measure(finished: Callable[[], int], load: Load, seconds: float) -> tuple[float, list[float]]:
     """Messages finished per second over ``seconds``, and the pickups in that window."""
     first, mark = finished(), len(load.pickups)
     began = time.perf_counter()
@@ -283,14 +297,20 @@ def run_worker_shape(bench: Any) -> list[dict[str, Any]]:
                 floor_rate = row["msgs_per_s"]
             row["x_floor"] = row["msgs_per_s"] / floor_rate if floor_rate else None
             rows.append(row)
-            sat, paced = row["pickup_saturated"], row["pickup_paced"]
-            bench.log(
-                f"  {name:<14} {concurrency:>4} slots {row['msgs_per_s']:>8,.0f} msg/s "
-                f"(x floor {row['x_floor']:.2f})  pickup saturated p50/p99 "
-                f"{_ms(sat['p50_ms'])}/{_ms(sat['p99_ms'])}, paced at "
-                f"{row['paced_rate']:,.0f}/s {_ms(paced['p50_ms'])}/{_ms(paced['p99_ms'])} ms"
-            )
+            bench.log(describe(row))
     return rows
+
+
+def describe(row: dict[str, Any]) -> str:
+    """One row of the shape as a line of the log."""
+    sat, paced = row["pickup_saturated"], row["pickup_paced"]
+    ratio = "-" if row.get("x_floor") is None else f"{row['x_floor']:.2f}"
+    return (
+        f"  {row['consumer']:<14} {row['concurrency']:>4} slots {row['msgs_per_s']:>8,.0f} msg/s "
+        f"(x floor {ratio})  pickup saturated p50/p99 "
+        f"{_ms(sat['p50_ms'])}/{_ms(sat['p99_ms'])}, paced at "
+        f"{row['paced_rate']:,.0f}/s {_ms(paced['p50_ms'])}/{_ms(paced['p99_ms'])} ms"
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -312,19 +332,19 @@ def _run_one(bench: Any, name: str, concurrency: int, seconds: float) -> dict[st
         )
 
         def create(count: int) -> None:
-            producer_conn.execute(insert, ([_stamp()] * count,))
+            producer_conn.execute(insert, ([stamp()] * count,))
 
     else:
         spread = [f"c{i + 1}" for i in range(CHANNELS)]
 
         def create(count: int) -> None:
-            stamp = _stamp()
+            created = stamp()
             producer.create_many(
-                NewMessage(stamp, channel=spread[(load.created + i) % CHANNELS])
+                NewMessage(created, channel=spread[(load.created + i) % CHANNELS])
                 for i in range(count)
             )
 
-    load = _Load(create)
+    load = Load(create)
     start = {"Worker": _worker, "AsyncWorker": _async_worker}.get(name)
     consumer = (
         start(dsn, schema, concurrency, load)
@@ -336,10 +356,43 @@ def _run_one(bench: Any, name: str, concurrency: int, seconds: float) -> dict[st
         return int(bench._produced(kind) - bench._remaining(kind))
 
     try:
+        maintained = bench._maintained("durable") if kind == "durable" else nullcontext()
+        return measure_consumer(
+            name,
+            concurrency,
+            seconds,
+            load=load,
+            consumer=consumer,
+            finished=finished,
+            maintained=maintained,
+        )
+    finally:
+        producer_conn.close()
+        producer.close()
+
+
+def measure_consumer(
+    name: str,
+    concurrency: int,
+    seconds: float,
+    *,
+    load: Load,
+    consumer: Consumer,
+    finished: Callable[[], int],
+    maintained: AbstractContextManager[object] | None = None,
+) -> dict[str, Any]:
+    """Start ``load``, fill the backlog, start ``consumer`` (inside ``maintained``), measure it
+    saturated then paced (see the module docstring), stop both; one row of the shape.
+
+    ``finished()`` counts the messages the queue under test holds as done (it is read before
+    and after each phase); the consumer's handlers append their pickup latency to
+    ``load.pickups``. Shared by the ``lonnymq`` consumers and the peers in
+    ``benchmarks/peers``."""
+    try:
         load.thread.start()
         while load.created < BACKLOG and load.error is None:
             load.stop.wait(0.01)
-        with bench._maintained("durable") if kind == "durable" else nullcontext():
+        with maintained or nullcontext():
             consumer.thread.start()
             consumer.ready.wait(60)
             load.stop.wait(min(1.0, seconds))  # warm up: connections, plans, the pool
@@ -359,8 +412,6 @@ def _run_one(bench: Any, name: str, concurrency: int, seconds: float) -> dict[st
         consumer.stop()
         load.thread.join(30)
         consumer.thread.join(60)
-        producer_conn.close()
-        producer.close()
     for error in (load.error, consumer.error):
         if error is not None:
             raise RuntimeError(f"{name} at {concurrency}: {error!r}") from error
@@ -370,8 +421,8 @@ def _run_one(bench: Any, name: str, concurrency: int, seconds: float) -> dict[st
         "consumer": name,
         "concurrency": concurrency,
         "msgs_per_s": rate,
-        "pickup_saturated": _percentiles(saturated),
+        "pickup_saturated": percentiles(saturated),
         "paced_rate": paced_rate,
         "kept_up": kept_up,
-        "pickup_paced": _percentiles(paced),
+        "pickup_paced": percentiles(paced),
     }
