@@ -360,11 +360,13 @@ END;
 $$;
 
 
--- spark_batch_ack(): finish the messages of p_consumer's batches up to p_batch_no (Spark has
--- committed them) and forget those batches. A message whose lock was lost meanwhile (another
--- consumer holds it now) is left alone. Returns how many were finished.
--- Locks: messages and channel rows as message_delete_many. Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION spark_batch_ack(p_consumer TEXT, p_batch_no BIGINT) RETURNS BIGINT
+-- spark_batch_close(): forget p_consumer's batches up to p_batch_no (p_ack) or after it (not
+-- p_ack), and finish (p_ack) or give back, due now with their attempts kept, the messages
+-- they hold. A message whose lock was lost meanwhile (another consumer holds it now) is left
+-- alone. Returns how many were finished or given back.
+-- Locks: as message_delete_many or message_defer_many. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION spark_batch_close(p_consumer TEXT, p_batch_no BIGINT, p_ack BOOLEAN)
+RETURNS BIGINT
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
@@ -373,51 +375,52 @@ DECLARE
     v_attempts INTEGER[];
     v_done BIGINT := 0;
 BEGIN
-    WITH done AS (
-        DELETE FROM spark_batch b WHERE b.consumer = p_consumer AND b.batch_no <= p_batch_no
+    WITH closed AS (
+        DELETE FROM spark_batch b
+        WHERE b.consumer = p_consumer
+          AND CASE WHEN p_ack THEN b.batch_no <= p_batch_no ELSE b.batch_no > p_batch_no END
         RETURNING b.msg_id, b.num_attempts
     )
-    SELECT array_agg(d.msg_id ORDER BY d.msg_id), array_agg(d.num_attempts ORDER BY d.msg_id)
-    INTO v_ids, v_attempts FROM done d;
-    -- message_delete_many takes at most 100000 ids per call.
+    SELECT array_agg(c.msg_id ORDER BY c.msg_id), array_agg(c.num_attempts ORDER BY c.msg_id)
+    INTO v_ids, v_attempts FROM closed c;
+    -- The batch functions take at most 100000 ids per call. Of the two branches below, only
+    -- the one whose condition holds runs (a constant false filter is tested first).
     FOR v_from IN 1..coalesce(cardinality(v_ids), 0) BY 50000 LOOP
         v_done := v_done + (SELECT count(*)
-            FROM message_delete_many(v_ids[v_from:v_from + 49999],
-                v_attempts[v_from:v_from + 49999]) r
-            WHERE r.status = 'ok');
+            FROM (SELECT d.status FROM message_delete_many(v_ids[v_from:v_from + 49999],
+                      v_attempts[v_from:v_from + 49999]) d
+                  WHERE p_ack
+                  UNION ALL
+                  SELECT r.status FROM message_defer_many(v_ids[v_from:v_from + 49999],
+                      v_attempts[v_from:v_from + 49999]) r
+                  WHERE NOT p_ack) x
+            WHERE x.status = 'ok');
     END LOOP;
     RETURN v_done;
 END;
 $$;
 
 
--- spark_batch_release(): give back (due now, attempts kept) the messages of p_consumer's
--- batches after p_batch_no: batches it planned that Spark never recorded (the driver died
--- in between). Returns how many were given back.
--- Locks: as message_defer_many. Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION spark_batch_release(p_consumer TEXT, p_batch_no BIGINT) RETURNS BIGINT
-LANGUAGE plpgsql
+-- spark_batch_ack(): finish the messages of p_consumer's batches up to p_batch_no (Spark has
+-- committed them) and forget those batches (spark_batch_close). Returns how many were finished.
+-- Locks: as message_delete_many. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION spark_batch_ack(p_consumer TEXT, p_batch_no BIGINT) RETURNS BIGINT
+LANGUAGE sql
 SET search_path FROM CURRENT
 AS $$
-DECLARE
-    v_ids BIGINT[];
-    v_attempts INTEGER[];
-    v_done BIGINT := 0;
-BEGIN
-    WITH orphan AS (
-        DELETE FROM spark_batch b WHERE b.consumer = p_consumer AND b.batch_no > p_batch_no
-        RETURNING b.msg_id, b.num_attempts
-    )
-    SELECT array_agg(o.msg_id ORDER BY o.msg_id), array_agg(o.num_attempts ORDER BY o.msg_id)
-    INTO v_ids, v_attempts FROM orphan o;
-    FOR v_from IN 1..coalesce(cardinality(v_ids), 0) BY 50000 LOOP
-        v_done := v_done + (SELECT count(*)
-            FROM message_defer_many(v_ids[v_from:v_from + 49999],
-                v_attempts[v_from:v_from + 49999]) r
-            WHERE r.status = 'ok');
-    END LOOP;
-    RETURN v_done;
-END;
+    SELECT spark_batch_close(p_consumer, p_batch_no, TRUE)
+$$;
+
+
+-- spark_batch_release(): give back the messages of p_consumer's batches after p_batch_no:
+-- batches it planned that Spark never recorded (the driver died in between); see
+-- spark_batch_close. Returns how many were given back.
+-- Locks: as message_defer_many. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION spark_batch_release(p_consumer TEXT, p_batch_no BIGINT) RETURNS BIGINT
+LANGUAGE sql
+SET search_path FROM CURRENT
+AS $$
+    SELECT spark_batch_close(p_consumer, p_batch_no, FALSE)
 $$;
 
 
