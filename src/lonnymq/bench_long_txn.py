@@ -77,19 +77,22 @@ STAMP = struct.Struct("<d")
 # it contains, and texts it does not contain.
 STATEMENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # Take: the oldest expired lock; the due channel (locked); that channel's head, locked;
-    # the channel's next time; riding along on a busy channel (its look-up and its head).
-    "expired_lock": (("e.is_locked AND e.unlock_at <= v_now",), ()),
+    # the channel's next time; riding along on a busy channel (its look-up and its head); an
+    # empty answer's earliest time.
+    "expired_lock": (("e.is_locked AND e.unlock_at <=",), ()),
     "due_channel": (("c.next_dequeue_at <= v_now", "c.turn LIMIT", "SKIP LOCKED"), ()),
     "channel_head": (("h.channel = v_channel.name AND NOT h.is_locked",), ()),
     "channel_next": (("SET next_dequeue_at = n.next_at",), ()),
     "busy_channel": (("SELECT c.name FROM channel c", "c.next_dequeue_at <= v_now"), ("SKIP",)),
     "ride_along": (("h.channel = v_busy AND NOT h.is_locked",), ()),
     "rotate": (("WHERE m.channel = p_channel AND NOT m.is_locked",), ()),
+    "retry_at": (("SELECT least(", "m.is_locked"), ()),
     # Finish: the delete, the look-up of the channel's policy.
     "finish_delete": (("DELETE FROM message m WHERE m.id = p_id",), ()),
     "finish_policy": (("c.has_policy FROM channel c WHERE c.name = v_message.channel",), ()),
     # The calls the Worker and the producer make.
     "complete_and_dequeue": (("message_complete_and_dequeue(",), ()),
+    "settle": (("message_settle(",), ()),
     "dequeue_many": (("message_dequeue_many(",), ()),
     "create_many": (("message_create_many(",), ()),
 }
