@@ -57,6 +57,19 @@ ACTIONS = {
     "clear": "Remove the policy of channel {name}: no limit from now on.",
 }
 POLICY_FIELDS = ("max_concurrency", "release_interval_ms", "max_size")
+# What an action's signature covers: every field a confirmation form carries.
+SIGNED = ("action", "name", "ids", "expires", *POLICY_FIELDS)
+REPLAY = (
+    "Replay {count} archived message(s) ({ids}): each is created again in its channel, due "
+    "now, with its attempts from zero. A message replayed before is not replayed again."
+)
+# At most this many archived messages are replayed by one confirmation.
+REPLAY_MAX = 1000
+# The archive page walks at most this many archived rows per page (a filter few of them
+# match then offers to walk on), and shows at most this much of an error.
+ARCHIVE_SCAN_CAP = 10_000
+ERROR_CHARS = 16_384
+REPLAY_STATUSES = ("replayed", "already", "dropped", "not_found")
 log = logging.getLogger("lonnymq.dashboard")
 SORTS = ("name", "-name", "due")
 HEADERS = {
@@ -127,10 +140,22 @@ class Sampler:
         return out
 
 
-def shown(value: str) -> str:
+def shown(value: str, lines: bool = False) -> str:
     """``value`` with what would not show as itself (control and format characters, such as
-    a right-to-left override) written as escapes; HTML escaping is still the template's."""
-    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in value)
+    a right-to-left override) written as escapes, line breaks kept when ``lines``; HTML
+    escaping is still the template's."""
+    kept = "\n" if lines else ""
+    return "".join(c if c.isprintable() or c in kept else f"\\u{ord(c):04x}" for c in value)
+
+
+def last_line(text: str | None) -> str:
+    """An error's last non-empty line: the exception and its message, under the traceback."""
+    if not text:
+        return "-"
+    for line in reversed(text.splitlines()):
+        if line.strip():
+            return line.strip()
+    return "-"
 
 
 def preview(data: bytes | None, length: int | None) -> str:
@@ -258,7 +283,9 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
         loader=PackageLoader("lonnymq.dashboard", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
     )
-    env.filters.update(shown=shown, duration=duration, preview=preview, when=when)
+    env.filters.update(
+        shown=shown, duration=duration, preview=preview, when=when, last_line=last_line
+    )
     sampler = Sampler(queue)
     # The channel sizes each page last showed, for the net rate the next refresh shows.
     seen: dict[str, tuple[int, int]] = {}
@@ -365,20 +392,40 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
     secret = secrets.token_bytes(32)
 
     def signature(fields: dict[str, str]) -> str:
-        text = "\0".join(
-            f"{k}={fields.get(k, '')}" for k in ("action", "name", "expires", *POLICY_FIELDS)
-        )
+        text = "\0".join(f"{k}={fields.get(k, '')}" for k in SIGNED)
         return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
 
     def refused(request: Request, why: str, status: int, fields: dict[str, str]) -> Response:
         log.warning(
-            "dashboard refused %s on channel %r from %s: %s",
+            "dashboard refused %s on %s from %s: %s",
             fields.get("action"),
-            fields.get("name"),
+            _target(fields),
             request.client.host if request.client else "?",
             why,
         )
         return render(request, "error.html", status, message=f"Refused: {why}")
+
+    async def posted(request: Request) -> tuple[dict[str, str], Response | None]:
+        """The fields of a confirmed action's form, or the response that refuses it: in
+        read-only mode, from another site, or without a valid confirmation."""
+        parsed = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
+        fields = {k: v[0] for k, v in parsed.items() if len(v) == 1}
+        if read_only:
+            return fields, refused(request, "this dashboard is read-only", 403, fields)
+        # A browser names where a request comes from; another site's form is refused.
+        site = request.headers.get("sec-fetch-site")
+        if site is not None and site not in ("same-origin", "none"):
+            return fields, refused(request, f"a request from another site ({site})", 403, fields)
+        good = hmac.compare_digest(fields.get("csrf", ""), signature(fields))
+        if not good or (_int(fields.get("expires")) or 0) < time.time():
+            why = "the confirmation is not valid (expired or forged)"
+            return fields, refused(request, why, 403, fields)
+        return fields, None
+
+    def confirmation(request: Request, form: dict[str, str], question: str, back: str) -> Response:
+        form["expires"] = str(int(time.time()) + CONFIRM_TTL_S)
+        form["csrf"] = signature(form)
+        return render(request, "confirm.html", question=question, form=form, back=back)
 
     async def confirm(request: Request) -> Response:
         fields = {
@@ -390,26 +437,15 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
             action, name, policy = _action(fields)
         except InvalidArgumentError as err:
             return render(request, "error.html", 400, message=str(err))
-        form = {"action": action, "name": name, "expires": str(int(time.time()) + CONFIRM_TTL_S)}
+        form = {"action": action, "name": name}
         form.update({k: "" if v is None else str(v) for k, v in policy.items()})
-        form["csrf"] = signature(form)
         question = ACTIONS[action].format(name=shown(name), policy=_policy_text(policy))
-        return render(request, "confirm.html", question=question, form=form, name=name)
+        return confirmation(request, form, question, _url(request, "channel", {"name": name}))
 
     async def act(request: Request) -> Response:
-        parsed = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
-        fields = {k: v[0] for k, v in parsed.items() if len(v) == 1}
-        if read_only:
-            return refused(request, "this dashboard is read-only", 403, fields)
-        # A browser names where a request comes from; another site's form is refused.
-        site = request.headers.get("sec-fetch-site")
-        if site is not None and site not in ("same-origin", "none"):
-            return refused(request, f"a request from another site ({site})", 403, fields)
-        good = hmac.compare_digest(fields.get("csrf", ""), signature(fields))
-        if not good or int(fields.get("expires") or 0) < time.time():
-            return refused(
-                request, "the confirmation is not valid (expired or forged)", 403, fields
-            )
+        fields, refusal = await posted(request)
+        if refusal is not None:
+            return refusal
         try:
             action, name, policy = _action(fields)
             channel = queue.channel(name)
@@ -446,8 +482,77 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
         )
         return RedirectResponse(_url(request, "channel", {"name": name, "done": action}), 303)
 
+    async def archive(request: Request) -> Response:
+        query = request.query_params
+        outcome = query.get("outcome") or None
+        name = query.get("channel") or None
+        rows = await queue._fetch(
+            "dashboard_archive",
+            {
+                "outcome": outcome,
+                "channel": name,
+                "before_id": _int(query.get("before")),
+                "limit": PAGE_SIZE,
+                "scan_cap": ARCHIVE_SCAN_CAP,
+                "preview_bytes": PREVIEW_BYTES,
+                "error_chars": ERROR_CHARS,
+            },
+            None,
+        )
+        listed = [_archived_row(row) for row in rows if row[0] is not None]
+        following = None
+        if rows and rows[-1][0] is None:
+            following = {"outcome": outcome, "channel": name, "before": rows[-1][-1]}
+        done = {k: _int(query.get(k)) for k in REPLAY_STATUSES if query.get(k)}
+        return render(
+            request,
+            "archive.html",
+            archived=listed,
+            outcome=outcome or "",
+            channel=name or "",
+            following=following,
+            paged="before" in query,
+            archive_on=(await queue.settings()).archive,
+            done=done,
+            now_ms=(await sampler.latest()).at_ms,
+        )
+
+    async def replay_confirm(request: Request) -> Response:
+        fields = {"action": "replay", "ids": ",".join(request.query_params.getlist("id"))}
+        if read_only:
+            return refused(request, "this dashboard is read-only", 403, fields)
+        ids = _ids(fields["ids"])
+        form = {"action": "replay", "ids": ",".join(map(str, ids))}
+        shown_ids = ", ".join(map(str, ids[:10])) + (", …" if len(ids) > 10 else "")
+        question = REPLAY.format(count=len(ids), ids=shown_ids)
+        return confirmation(request, form, question, _url(request, "archive", {}))
+
+    async def replay(request: Request) -> Response:
+        fields, refusal = await posted(request)
+        if refusal is not None:
+            return refusal
+        if fields.get("action") != "replay":
+            return render(request, "error.html", 400, message="not a replay's confirmation")
+        ids = _ids(fields.get("ids", ""))
+        try:
+            results = await queue.replay(ids)
+        except PermissionDeniedError as err:
+            return refused(request, f"the database role may not do this ({err})", 403, fields)
+        counts = {k: sum(1 for r in results if r.status == k) for k in REPLAY_STATUSES}
+        log.info(
+            "dashboard replay of archived messages %s (%s) from %s",
+            fields["ids"],
+            ", ".join(f"{k} {v}" for k, v in counts.items() if v),
+            request.client.host if request.client else "?",
+        )
+        shown_counts = {k: v for k, v in counts.items() if v}
+        return RedirectResponse(_url(request, "archive", shown_counts), 303)
+
     routes = [
         Route("/", overview, name="overview"),
+        Route("/archive", archive, name="archive"),
+        Route("/archive/replay", replay_confirm, name="replay_confirm"),
+        Route("/archive/replay", replay, methods=["POST"], name="replay"),
         Route("/channel/action", confirm, name="confirm"),
         Route("/channel/action", act, methods=["POST"], name="act"),
         Route("/live/overview", overview_live, name="overview_live"),
@@ -520,6 +625,31 @@ def _action(fields: dict[str, str]) -> tuple[str, str, dict[str, int | None]]:
     return action, name, policy
 
 
+def _target(fields: dict[str, str]) -> str:
+    """What an action's form names, for the log."""
+    if fields.get("ids"):
+        return f"archived messages {fields['ids'][:200]}"
+    return f"channel {fields.get('name')!r}"
+
+
+def _ids(text: str) -> list[int]:
+    """The archived message ids a replay names (comma-separated), checked, once each."""
+    ids: list[int] = []
+    for part in text.split(","):
+        value = _int(part.strip())
+        if value is None:
+            continue
+        if value < 1:
+            raise InvalidArgumentError(f"a message id is 1 or more, got {value}")
+        if value not in ids:
+            ids.append(value)
+    if not ids:
+        raise InvalidArgumentError("choose at least one archived message to replay")
+    if len(ids) > REPLAY_MAX:
+        raise InvalidArgumentError(f"at most {REPLAY_MAX} messages a replay, got {len(ids)}")
+    return sorted(ids)
+
+
 def _policy_text(policy: dict[str, int | None]) -> str:
     return ", ".join(f"{k} {v}" for k, v in policy.items() if v is not None) or "no limit"
 
@@ -549,6 +679,10 @@ CHANNEL_COLUMNS = (
     "channel", "size", "size_exact", "in_flight", "next_dequeue_at", "has_policy",
     "max_concurrency", "release_interval_ms", "max_size",
 )  # fmt: skip
+ARCHIVE_COLUMNS = (
+    "id", "channel", "outcome", "num_attempts", "created_at", "finished_at", "error",
+    "error_length", "content", "content_length", "replayed_as", "next_before",
+)  # fmt: skip
 MESSAGE_COLUMNS = (
     "id", "num_attempts", "dequeue_at", "unlock_at", "created_at", "content", "content_length",
     "state", "state_length", "dedup_key",
@@ -557,6 +691,10 @@ MESSAGE_COLUMNS = (
 
 def _channel_row(row: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(CHANNEL_COLUMNS, row, strict=True))
+
+
+def _archived_row(row: Sequence[Any]) -> dict[str, Any]:
+    return dict(zip(ARCHIVE_COLUMNS, row, strict=True))
 
 
 def _message_row(row: Sequence[Any]) -> dict[str, Any]:

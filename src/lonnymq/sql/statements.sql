@@ -181,3 +181,15 @@ FROM {schema}.dashboard_channel_messages(
     p_after_id => %(after_id)s::bigint,
     p_limit => %(limit)s::integer,
     p_preview_bytes => %(preview_bytes)s::integer)
+
+-- name: dashboard_archive
+SELECT id, channel, outcome, num_attempts, created_at, finished_at, error, error_length,
+       content_preview, content_length, replayed_as, next_before
+FROM {schema}.dashboard_archive(
+    p_outcome => %(outcome)s::text,
+    p_channel => %(channel)s::text,
+    p_before_id => %(before_id)s::bigint,
+    p_limit => %(limit)s::integer,
+    p_scan_cap => %(scan_cap)s::integer,
+    p_preview_bytes => %(preview_bytes)s::integer,
+    p_error_chars => %(error_chars)s::integer)

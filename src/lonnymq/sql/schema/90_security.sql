@@ -56,7 +56,7 @@ AS $$
                   'queue_verify', 'schedule_set', 'schedule_list', 'schedule_remove',
                   'archive_list', 'archive_replay', 'spark_stage_purge', 'spark_message_scan',
                   'spark_archive_scan', 'dashboard_overview', 'dashboard_channels',
-                  'dashboard_channel_messages']
+                  'dashboard_channel_messages', 'dashboard_archive']
         ELSE ARRAY[]::TEXT[] END
     END
 $$;

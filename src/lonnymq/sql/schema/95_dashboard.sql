@@ -195,3 +195,100 @@ BEGIN
     END IF;
 END;
 $$;
+
+
+-- dashboard_archive(): one page of the archive, newest first, for keyset paging (ids below
+-- p_before_id). By default (p_outcome NULL) the messages that did not complete, read from
+-- archive_failed_ix, which stays small however large the archive grows; p_outcome keeps one
+-- outcome, p_channel one channel. A call walks at most p_scan_cap archived rows, so that a
+-- filter few of them match still answers quickly: then, and when the page is full, a last row
+-- with id NULL says in next_before where the next page starts. Each row carries its error (the
+-- traceback, type and message a worker kept), of which a longer one than p_error_chars
+-- characters keeps its start and its end (where the exception is) around a line '…', and the
+-- first p_preview_bytes bytes of its content, with their full lengths.
+-- Locks: none. Raises: LQ003 (limit outside 1..1000, scan cap outside 1..1000000, preview
+-- outside 0..65536, error_chars outside 0..1000000, outcome over 64 characters), LQ005.
+CREATE OR REPLACE FUNCTION dashboard_archive(
+    p_outcome TEXT DEFAULT NULL, p_channel TEXT DEFAULT NULL, p_before_id BIGINT DEFAULT NULL,
+    p_limit INTEGER DEFAULT 50, p_scan_cap INTEGER DEFAULT 10000,
+    p_preview_bytes INTEGER DEFAULT 200, p_error_chars INTEGER DEFAULT 65536
+) RETURNS TABLE (
+    id BIGINT, channel TEXT, outcome TEXT, num_attempts INTEGER, created_at BIGINT,
+    finished_at BIGINT, error TEXT, error_length INTEGER, content_preview BYTEA,
+    content_length INTEGER, replayed_as BIGINT, next_before BIGINT
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    -- Below every id: the walk's start is always an index bound, whatever the plan.
+    v_before BIGINT := coalesce(p_before_id, 9223372036854775807);
+    v_ids BIGINT[];
+    v_next BIGINT;
+BEGIN
+    PERFORM arg_check(p_limit BETWEEN 1 AND 1000,
+        format('limit must be between 1 and 1000, got %s', coalesce(p_limit::TEXT, 'NULL')));
+    PERFORM arg_check(p_scan_cap BETWEEN 1 AND 1000000,
+        format('scan_cap must be between 1 and 1000000, got %s',
+            coalesce(p_scan_cap::TEXT, 'NULL')));
+    PERFORM arg_check(p_preview_bytes BETWEEN 0 AND 65536,
+        format('preview_bytes must be between 0 and 65536, got %s',
+            coalesce(p_preview_bytes::TEXT, 'NULL')));
+    PERFORM arg_check(p_error_chars BETWEEN 0 AND 1000000,
+        format('error_chars must be between 0 and 1000000, got %s',
+            coalesce(p_error_chars::TEXT, 'NULL')));
+    PERFORM arg_check(p_outcome IS NULL OR char_length(p_outcome) BETWEEN 1 AND 64,
+        'outcome must be 1 to 64 characters');
+    IF p_channel IS NOT NULL THEN
+        PERFORM arg_check_channel(p_channel);
+    END IF;
+    IF p_outcome IS DISTINCT FROM 'completed' THEN
+        v_ids := ARRAY(
+            SELECT s.id FROM (
+                SELECT a.id, a.outcome, a.channel FROM archive a
+                WHERE a.outcome <> 'completed' AND a.id < v_before
+                ORDER BY a.id DESC LIMIT p_scan_cap) s
+            WHERE (p_outcome IS NULL OR s.outcome = p_outcome)
+              AND (p_channel IS NULL OR s.channel = p_channel)
+            ORDER BY s.id DESC LIMIT p_limit + 1);
+        IF cardinality(v_ids) <= p_limit THEN
+            v_next := (SELECT a.id FROM archive a
+                       WHERE a.outcome <> 'completed' AND a.id < v_before
+                       ORDER BY a.id DESC OFFSET p_scan_cap LIMIT 1) + 1;
+        END IF;
+    ELSE
+        v_ids := ARRAY(
+            SELECT s.id FROM (
+                SELECT a.id, a.outcome, a.channel FROM archive a
+                WHERE a.id < v_before
+                ORDER BY a.id DESC LIMIT p_scan_cap) s
+            WHERE s.outcome = 'completed' AND (p_channel IS NULL OR s.channel = p_channel)
+            ORDER BY s.id DESC LIMIT p_limit + 1);
+        IF cardinality(v_ids) <= p_limit THEN
+            v_next := (SELECT a.id FROM archive a WHERE a.id < v_before
+                       ORDER BY a.id DESC OFFSET p_scan_cap LIMIT 1) + 1;
+        END IF;
+    END IF;
+    IF cardinality(v_ids) > p_limit THEN
+        v_next := v_ids[p_limit];
+    END IF;
+    RETURN QUERY
+        SELECT a.id, a.channel, a.outcome, a.num_attempts, a.created_at, a.finished_at,
+               CASE WHEN char_length(a.error) <= p_error_chars THEN a.error
+                    ELSE left(a.error, p_error_chars / 2) || E'\n…\n'
+                         || right(a.error, p_error_chars - p_error_chars / 2) END,
+               char_length(a.error),
+               substring(a.content FROM 1 FOR p_preview_bytes), octet_length(a.content),
+               a.replayed_as, NULL::BIGINT
+        FROM unnest(v_ids[1:p_limit]) WITH ORDINALITY AS u(id, ord)
+        JOIN archive a ON a.id = u.id
+        ORDER BY u.ord;
+    IF v_next IS NOT NULL THEN
+        RETURN QUERY SELECT NULL::BIGINT, NULL::TEXT, NULL::TEXT, NULL::INTEGER, NULL::BIGINT,
+            NULL::BIGINT, NULL::TEXT, NULL::INTEGER, NULL::BYTEA, NULL::INTEGER, NULL::BIGINT,
+            v_next;
+    END IF;
+END;
+$$;
