@@ -26,7 +26,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import InvalidArgumentError, LonnyMQError, PermissionDeniedError
+from ..errors import InvalidArgumentError, LonnyMQError, MessageError, PermissionDeniedError
 from ..queue_async import AsyncQueue
 
 PAGE_SIZE = 50
@@ -55,10 +55,16 @@ ACTIONS = {
     "(its other limits stay).",
     "set": "Set the policy of channel {name} to: {policy}. Limits left empty are removed.",
     "clear": "Remove the policy of channel {name}: no limit from now on.",
+    "discard": "Delete message {id} of channel {name}, which waits: it is removed for good "
+    "(the archive, when it is on, keeps it with outcome discarded).",
+    "expedite": "Make message {id} of channel {name} due now: it leaves after the messages "
+    "already due in its channel.",
 }
+# The actions on one waiting message of a channel (the others are on the channel).
+MESSAGE_ACTIONS = ("discard", "expedite")
 POLICY_FIELDS = ("max_concurrency", "release_interval_ms", "max_size")
 # What an action's signature covers: every field a confirmation form carries.
-SIGNED = ("action", "name", "ids", "expires", *POLICY_FIELDS)
+SIGNED = ("action", "name", "id", "ids", "expires", *POLICY_FIELDS)
 REPLAY = (
     "Replay {count} archived message(s) ({ids}): each is created again in its channel, due "
     "now, with its attempts from zero. A message replayed before is not replayed again."
@@ -385,7 +391,8 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
             view=view,
             messages=listed,
             following=following,
-            now_ms=(await sampler.latest()).at_ms,
+            # The clock once the messages were read: only a message due after it offers "due now".
+            now_ms=await queue.now(),
             done=request.query_params.get("done"),
         )
 
@@ -429,17 +436,21 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
 
     async def confirm(request: Request) -> Response:
         fields = {
-            k: v for k, v in request.query_params.items() if k in ("action", "name", *POLICY_FIELDS)
+            k: v
+            for k, v in request.query_params.items()
+            if k in ("action", "name", "id", *POLICY_FIELDS)
         }
         if read_only:
             return refused(request, "this dashboard is read-only", 403, fields)
         try:
-            action, name, policy = _action(fields)
+            action, name, values = _action(fields)
         except InvalidArgumentError as err:
             return render(request, "error.html", 400, message=str(err))
         form = {"action": action, "name": name}
-        form.update({k: "" if v is None else str(v) for k, v in policy.items()})
-        question = ACTIONS[action].format(name=shown(name), policy=_policy_text(policy))
+        form.update({k: "" if v is None else str(v) for k, v in values.items()})
+        question = ACTIONS[action].format(
+            name=shown(name), policy=_policy_text(values), id=values.get("id")
+        )
         return confirmation(request, form, question, _url(request, "channel", {"name": name}))
 
     async def act(request: Request) -> Response:
@@ -447,15 +458,19 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
         if refusal is not None:
             return refusal
         try:
-            action, name, policy = _action(fields)
+            action, name, values = _action(fields)
             channel = queue.channel(name)
-            if action == "clear":
+            if action == "discard":
+                await queue._fetch("message_discard", {"id": values["id"], "channel": name}, None)
+            elif action == "expedite":
+                await queue._fetch("message_expedite", {"id": values["id"], "channel": name}, None)
+            elif action == "clear":
                 await channel.clear_policy()
             elif action == "set":
                 await channel.set_policy(
-                    max_concurrency=policy["max_concurrency"],
-                    release_interval_ms=policy["release_interval_ms"],
-                    max_size=policy["max_size"],
+                    max_concurrency=values["max_concurrency"],
+                    release_interval_ms=values["release_interval_ms"],
+                    max_size=values["max_size"],
                 )
             else:
                 rows = await queue._fetch("dashboard_channels", _only(name), None)
@@ -473,11 +488,19 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
             return refused(request, f"the database role may not do this ({err})", 403, fields)
         except InvalidArgumentError as err:
             return render(request, "error.html", 400, message=str(err))
+        except MessageError as err:
+            # The message left or was taken since the page showed it.
+            return render(request, "error.html", 409, message=f"{type(err).__name__}: {err}")
+        detail = "-"
+        if action == "set":
+            detail = _policy_text(values)
+        elif action in MESSAGE_ACTIONS:
+            detail = f"message {values['id']}"
         log.info(
             "dashboard %s on channel %r (%s) from %s",
             action,
             name,
-            _policy_text(policy) if action == "set" else "-",
+            detail,
             request.client.host if request.client else "?",
         )
         return RedirectResponse(_url(request, "channel", {"name": name, "done": action}), 303)
@@ -608,7 +631,7 @@ def _only(name: str) -> dict[str, Any]:
 
 
 def _action(fields: dict[str, str]) -> tuple[str, str, dict[str, int | None]]:
-    """The action, channel and policy a form names, checked."""
+    """The action, channel and values (a policy, or a message's id) a form names, checked."""
     action = fields.get("action", "")
     if action not in ACTIONS:
         raise InvalidArgumentError(f"unknown action {action[:40]!r}")
@@ -622,6 +645,11 @@ def _action(fields: dict[str, str]) -> tuple[str, str, dict[str, int | None]]:
             if value is not None and value < 0:
                 raise InvalidArgumentError(f"{field} must be 0 or more, got {value}")
             policy[field] = value
+    if action in MESSAGE_ACTIONS:
+        message_id = _int(fields.get("id"))
+        if message_id is None or message_id < 1:
+            raise InvalidArgumentError(f"a message id is 1 or more, got {message_id}")
+        policy["id"] = message_id
     return action, name, policy
 
 

@@ -193,3 +193,10 @@ FROM {schema}.dashboard_archive(
     p_scan_cap => %(scan_cap)s::integer,
     p_preview_bytes => %(preview_bytes)s::integer,
     p_error_chars => %(error_chars)s::integer)
+
+-- name: message_discard
+SELECT {schema}.message_discard(p_id => %(id)s::bigint, p_channel => %(channel)s::text)
+
+-- name: message_expedite
+SELECT channel, moved
+FROM {schema}.message_expedite(p_id => %(id)s::bigint, p_channel => %(channel)s::text)

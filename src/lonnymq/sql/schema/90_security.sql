@@ -51,12 +51,14 @@ AS $$
         ELSE ARRAY[]::TEXT[] END
         || CASE WHEN p_kind = 'admin' THEN
             -- admin: policies, settings, schedules, the archive, checks, raw scans, the clock,
-            -- the dashboard's reads (they show messages' content).
+            -- the dashboard's reads (they show messages' content) and its actions on waiting
+            -- messages.
             ARRAY['channel_policy_set', 'channel_policy_clear', 'config_set', 'clock_offset_set',
                   'queue_verify', 'schedule_set', 'schedule_list', 'schedule_remove',
                   'archive_list', 'archive_replay', 'spark_stage_purge', 'spark_message_scan',
                   'spark_archive_scan', 'dashboard_overview', 'dashboard_channels',
-                  'dashboard_channel_messages', 'dashboard_archive']
+                  'dashboard_channel_messages', 'dashboard_archive', 'message_discard',
+                  'message_expedite']
         ELSE ARRAY[]::TEXT[] END
     END
 $$;

@@ -1,6 +1,7 @@
 -- The dashboard's reads: what `lonnymq dashboard` shows, each a bounded index walk so that a
 -- queue of 10^6 messages in 10^5 channels renders a page quickly. They change nothing; the
--- dashboard's actions call the queue's own functions (channel_policy_set, archive_replay...).
+-- dashboard's actions call the queue's own functions (channel_policy_set, archive_replay, and
+-- those of 65_waiting.sql).
 -- Rates are not stored: the dashboard samples the counters below and divides by the time
 -- between two samples, so no message pays a row write for them.
 
