@@ -50,9 +50,9 @@ CONFIRM_TTL_S = 600
 # The actions on a channel, and what each asks before it runs.
 ACTIONS = {
     "pause": "Pause channel {name}: no message of it is taken until it is resumed (its "
-    "max_concurrency becomes 0; its other limits stay).",
-    "resume": "Resume channel {name}: its messages are taken again, with no concurrency limit "
-    "(its other limits stay).",
+    "max_concurrency becomes 0, and is remembered; its other limits stay).",
+    "resume": "Resume channel {name}: its messages are taken again, under the concurrency limit "
+    "it had when it was paused here (none if it was paused otherwise; its other limits stay).",
     "set": "Set the policy of channel {name} to: {policy}. Limits left empty are removed.",
     "clear": "Remove the policy of channel {name}: no limit from now on.",
     "discard": "Delete message {id} of channel {name}, which waits: it is removed for good "
@@ -473,17 +473,8 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
                     max_size=values["max_size"],
                 )
             else:
-                rows = await queue._fetch("dashboard_channels", _only(name), None)
-                kept = _channel_row(rows[0]) if rows else {}
-                interval, size = kept.get("release_interval_ms"), kept.get("max_size")
-                if action == "pause":
-                    await channel.set_policy(
-                        max_concurrency=0, release_interval_ms=interval, max_size=size
-                    )
-                elif interval is not None or size is not None:
-                    await channel.set_policy(release_interval_ms=interval, max_size=size)
-                else:
-                    await channel.clear_policy()
+                statement = "channel_pause" if action == "pause" else "channel_resume"
+                await queue._fetch(statement, {"channel": name}, None)
         except PermissionDeniedError as err:
             return refused(request, f"the database role may not do this ({err})", 403, fields)
         except InvalidArgumentError as err:

@@ -200,3 +200,9 @@ SELECT {schema}.message_discard(p_id => %(id)s::bigint, p_channel => %(channel)s
 -- name: message_expedite
 SELECT channel, moved
 FROM {schema}.message_expedite(p_id => %(id)s::bigint, p_channel => %(channel)s::text)
+
+-- name: channel_pause
+SELECT {schema}.channel_pause(p_channel => %(channel)s::text)
+
+-- name: channel_resume
+SELECT {schema}.channel_resume(p_channel => %(channel)s::text)
