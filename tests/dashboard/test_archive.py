@@ -22,7 +22,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from lonnymq import NewMessage, Queue
 
-from .conftest import Served
+from .conftest import Served, get
 from .test_actions import worker_role  # noqa: F401 (a fixture)
 from .test_browser import LOCK_MS, WAIT_S, _cells, _no_alert, _text
 
@@ -57,16 +57,6 @@ def _complete(queue: Queue, channel: str, count: int) -> list[int]:
     return [m.id for m in held]
 
 
-def _get(served: Served, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
-
 def _post(served: Served, path: str, fields: dict[str, str], site: str | None = None) -> Any:
     conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
     headers = {"Content-Type": "application/x-www-form-urlencoded"}
@@ -81,7 +71,7 @@ def _post(served: Served, path: str, fields: dict[str, str], site: str | None = 
 
 
 def _form(served: Served, query: str) -> dict[str, str]:
-    status, body = _get(served, "/archive/replay?" + query)
+    status, body = get(served, "/archive/replay?" + query)
     assert status == 200, body
     return dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)">', body))
 
@@ -103,7 +93,7 @@ def test_failures_are_listed_newest_first_with_their_error_escaped(
     failed = _fail(queue, HOSTILE, 2, error=error)
     completed = _complete(queue, "fine", 3)
     served = serve()
-    status, body = _get(served, "/archive")
+    status, body = get(served, "/archive")
     assert status == 200, body
     # Only what did not complete, newest first.
     assert _listed(body) == sorted(failed, reverse=True)
@@ -119,16 +109,16 @@ def test_failures_are_listed_newest_first_with_their_error_escaped(
     assert "\n    raise ValueError(payload)\nValueError: " in body
     assert "\u202e" not in body
     assert "é" * 300 in body
-    _, completed_page = _get(served, "/archive?outcome=completed")
+    _, completed_page = get(served, "/archive?outcome=completed")
     assert _listed(completed_page) == sorted(completed, reverse=True)
-    _, none = _get(served, "/archive?outcome=failed&channel=fine")
+    _, none = get(served, "/archive?outcome=failed&channel=fine")
     assert _listed(none) == []
     assert "No archived message with outcome “failed” in channel “fine”" in none
-    status, body = _get(served, "/archive?outcome=" + "x" * 65)
+    status, body = get(served, "/archive?outcome=" + "x" * 65)
     assert status == 400
     assert "outcome must be 1 to 64 characters" in body
-    assert _get(served, "/archive?channel=" + "c" * 256)[0] == 400
-    assert _get(served, "/archive?before=soon")[0] == 400
+    assert get(served, "/archive?channel=" + "c" * 256)[0] == 400
+    assert get(served, "/archive?before=soon")[0] == 400
 
 
 def test_a_long_error_is_cut_and_says_how_long_it_was(
@@ -136,7 +126,7 @@ def test_a_long_error_is_cut_and_says_how_long_it_was(
 ) -> None:
     queue = make_queue(archive=True)
     _fail(queue, "c", 1, error="S" + "E" * 20_000 + "\nRuntimeError: at the end")
-    _, body = _get(serve(), "/archive")
+    _, body = get(serve(), "/archive")
     head, tail = "S" + "E" * 8_191, "E" * (8_192 - 25) + "\nRuntimeError: at the end"
     assert f'<pre class="traceback">{head}\n…\n{tail}</pre>' in body
     assert "20,026 characters in all: the middle is left out." in body
@@ -155,7 +145,7 @@ def test_pages_walk_on_where_a_sparse_filter_leaves_off(
     seen: list[int] = []
     path: str | None = "/archive"
     while path is not None:
-        status, body = _get(served, path)
+        status, body = get(served, path)
         assert status == 200, body
         seen.extend(_listed(body))
         path = _next(body)
@@ -194,7 +184,7 @@ def test_without_the_archive_the_page_says_so(serve: Callable[..., Served], queu
     assert taken is not None
     queue.fail(taken, error="lost")
     served = serve()
-    status, body = _get(served, "/archive")
+    status, body = get(served, "/archive")
     assert status == 200
     assert 'id="archive-off"' in body
     assert "The archive is off" in body
@@ -272,18 +262,18 @@ def test_replay_without_its_confirmation_or_read_only_is_refused(
     channel_form = dict(
         re.findall(
             r'<input type="hidden" name="(\w+)" value="([^"]*)">',
-            _get(served, "/channel/action?action=pause&name=c")[1],
+            get(served, "/channel/action?action=pause&name=c")[1],
         )
     )
     assert _post(served, "/archive/replay", channel_form)[0] == 400
     read_only = serve(read_only=True)
-    status, body = _get(read_only, f"/archive/replay?id={first}")
+    status, body = get(read_only, f"/archive/replay?id={first}")
     assert status == 403
     assert "read-only" in body
     status, body = _post(read_only, "/archive/replay", form)
     assert status == 403
     assert "read-only" in body
-    _, page = _get(read_only, "/archive")
+    _, page = get(read_only, "/archive")
     assert "Replay is off" in page
     assert "replay-one" not in page
     assert 'class="pick"' not in page
@@ -302,7 +292,7 @@ def test_bad_replay_requests_are_refused_with_a_message(
         ("id=0", "a message id is 1 or more"),
         ("id=" + ",".join(map(str, range(1, 1002))), "at most 1000 messages a replay"),
     ):
-        status, body = _get(served, "/archive/replay?" + query)
+        status, body = get(served, "/archive/replay?" + query)
         assert status == 400, query
         assert expected in body, query
 
@@ -325,7 +315,7 @@ def test_a_role_without_the_admin_grant_may_not_replay(
         )
     )
     served = serve(as_dsn=worker_role)
-    _, page = _get(served, "/archive")
+    _, page = get(served, "/archive")
     assert _listed(page) == [failed]
     status, body = _post(served, "/archive/replay", _form(served, f"id={failed}"))
     assert status == 403

@@ -5,7 +5,6 @@ the admin grant."""
 
 from __future__ import annotations
 
-import http.client
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +16,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from lonnymq import Queue
 
-from .conftest import Served
+from .conftest import Served, get
 from .test_actions import _form, _post, worker_role  # noqa: F401 (a fixture)
 from .test_browser import LOCK_MS, WAIT_S, _cells, _no_alert, _text
 
@@ -122,10 +121,10 @@ def test_message_actions_are_refused_when_they_must_be(
     status, body = _post(read_only, form)
     assert status == 403
     assert "read-only" in body
-    status, body = _get(read_only, f"/channel/action?action=discard&name=c&id={message_id}")
+    status, body = get(read_only, f"/channel/action?action=discard&name=c&id={message_id}")
     assert status == 403
     assert "read-only" in body
-    status, body = _get(read_only, "/channel?name=c")
+    status, body = get(read_only, "/channel?name=c")
     assert status == 200
     assert 'class="discard"' not in body
     assert 'class="expedite"' not in body
@@ -140,19 +139,9 @@ def test_message_actions_are_refused_when_they_must_be(
         ("action=expedite&name=c&id=0", "a message id is 1 or more, got 0"),
         ("action=discard&name=c&id=x", "not a whole number"),
     ):
-        status, body = _get(served, "/channel/action?" + query)
+        status, body = get(served, "/channel/action?" + query)
         assert status == 400, query
         assert expected in body, query
-
-
-def _get(served: Served, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
 
 
 def test_a_role_without_the_admin_grant_may_not_act_on_a_message(

@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from .. import schedule as _schedule
 from ..errors import InvalidArgumentError, LonnyMQError, MessageError, PermissionDeniedError
 from ..queue_async import AsyncQueue
 
@@ -75,6 +76,8 @@ REPLAY_MAX = 1000
 # match then offers to walk on), and shows at most this much of an error.
 ARCHIVE_SCAN_CAP = 10_000
 ERROR_CHARS = 16_384
+# A schedule's spec holds the content it creates: one longer than this is not fetched.
+SPEC_BYTES = 1 << 20
 REPLAY_STATUSES = ("replayed", "already", "dropped", "not_found")
 log = logging.getLogger("lonnymq.dashboard")
 SORTS = ("name", "-name", "due")
@@ -562,8 +565,27 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
         shown_counts = {k: v for k, v in counts.items() if v}
         return RedirectResponse(_url(request, "archive", shown_counts), 303)
 
+    async def schedules(request: Request) -> Response:
+        after = request.query_params.get("after") or None
+        rows = await queue._fetch(
+            "dashboard_schedules",
+            {"after_name": after, "limit": PAGE_SIZE + 1, "spec_bytes": SPEC_BYTES},
+            None,
+        )
+        listed = [_schedule_row(row) for row in rows[:PAGE_SIZE]]
+        following = {"after": listed[-1]["name"]} if len(rows) > PAGE_SIZE else None
+        return render(
+            request,
+            "schedules.html",
+            schedules=listed,
+            following=following,
+            paged=after is not None,
+            now_ms=await queue.now(),
+        )
+
     routes = [
         Route("/", overview, name="overview"),
+        Route("/schedules", schedules, name="schedules"),
         Route("/archive", archive, name="archive"),
         Route("/archive/replay", replay_confirm, name="replay_confirm"),
         Route("/archive/replay", replay, methods=["POST"], name="replay"),
@@ -698,6 +720,30 @@ CHANNEL_COLUMNS = (
     "channel", "size", "size_exact", "in_flight", "next_dequeue_at", "has_policy",
     "max_concurrency", "release_interval_ms", "max_size",
 )  # fmt: skip
+
+
+def _schedule_row(row: Sequence[Any]) -> dict[str, Any]:
+    """A schedule as the page shows it: its spec read as ``schedules()`` reads it (a spec
+    too long to fetch, or unreadable, shows as such)."""
+    name, data, length, next_at, state, locked = row
+    shown_row: dict[str, Any] = {
+        "name": name,
+        "next_at": next_at,
+        "last_fired_at": _schedule.decode_state(None if state is None else bytes(state)),
+        "firing": locked,
+        "spec": None,
+        "problem": None,
+    }
+    if data is None:
+        shown_row["problem"] = f"its spec is {length:,} bytes, too long to show"
+        return shown_row
+    try:
+        shown_row["spec"] = _schedule.ScheduleSpec.decode(bytes(data))
+    except InvalidArgumentError as err:
+        shown_row["problem"] = str(err)
+    return shown_row
+
+
 ARCHIVE_COLUMNS = (
     "id", "channel", "outcome", "num_attempts", "created_at", "finished_at", "error",
     "error_length", "content", "content_length", "replayed_as", "next_before",

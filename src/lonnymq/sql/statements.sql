@@ -206,3 +206,10 @@ SELECT {schema}.channel_pause(p_channel => %(channel)s::text)
 
 -- name: channel_resume
 SELECT {schema}.channel_resume(p_channel => %(channel)s::text)
+
+-- name: dashboard_schedules
+SELECT name, spec, spec_length, next_at, state, is_locked
+FROM {schema}.dashboard_schedules(
+    p_after_name => %(after_name)s::text,
+    p_limit => %(limit)s::integer,
+    p_spec_bytes => %(spec_bytes)s::integer)

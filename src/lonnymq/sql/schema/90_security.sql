@@ -58,7 +58,7 @@ AS $$
                   'archive_list', 'archive_replay', 'spark_stage_purge', 'spark_message_scan',
                   'spark_archive_scan', 'dashboard_overview', 'dashboard_channels',
                   'dashboard_channel_messages', 'dashboard_archive', 'message_discard',
-                  'message_expedite', 'channel_pause', 'channel_resume']
+                  'message_expedite', 'channel_pause', 'channel_resume', 'dashboard_schedules']
         ELSE ARRAY[]::TEXT[] END
     END
 $$;

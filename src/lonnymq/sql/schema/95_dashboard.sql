@@ -293,3 +293,38 @@ BEGIN
     END IF;
 END;
 $$;
+
+
+-- dashboard_schedules(): one page of schedules by name, after p_after_name (keyset paging over
+-- message_dedup_ux: a schedule is the driver message of lonnymq.schedules keyed by its name),
+-- with each driver's spec (NULL when it is longer than p_spec_bytes: the spec holds the
+-- content the schedule creates), its length, its next time, its state (the last firing's
+-- time, as the package writes it) and whether a worker holds it now.
+-- Locks: none. Raises: LQ003 (limit outside 1..1000, spec_bytes outside 0..67108864).
+CREATE OR REPLACE FUNCTION dashboard_schedules(
+    p_after_name TEXT DEFAULT NULL, p_limit INTEGER DEFAULT 50,
+    p_spec_bytes INTEGER DEFAULT 1048576
+) RETURNS TABLE (
+    name TEXT, spec BYTEA, spec_length INTEGER, next_at BIGINT, state BYTEA, is_locked BOOLEAN
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
+AS $$
+BEGIN
+    PERFORM arg_check(p_limit BETWEEN 1 AND 1000,
+        format('limit must be between 1 and 1000, got %s', coalesce(p_limit::TEXT, 'NULL')));
+    PERFORM arg_check(p_spec_bytes BETWEEN 0 AND 67108864,
+        format('spec_bytes must be between 0 and 67108864, got %s',
+            coalesce(p_spec_bytes::TEXT, 'NULL')));
+    RETURN QUERY SELECT m.dedup_key,
+            CASE WHEN octet_length(m.content) <= p_spec_bytes THEN m.content END,
+            octet_length(m.content), m.dequeue_at, m.state, m.is_locked
+        FROM message m
+        WHERE m.channel = 'lonnymq.schedules' AND m.dedup_key IS NOT NULL
+          -- Every name is longer than '': the bound is an index bound, whatever the plan.
+          AND m.dedup_key > coalesce(p_after_name, '')
+        ORDER BY m.dedup_key
+        LIMIT p_limit;
+END;
+$$;
