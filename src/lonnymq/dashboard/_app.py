@@ -76,6 +76,11 @@ REPLAY_MAX = 1000
 # match then offers to walk on), and shows at most this much of an error.
 ARCHIVE_SCAN_CAP = 10_000
 ERROR_CHARS = 16_384
+# The workers page lists at most this many workers (the table keeps an hour of them); one that
+# missed this many of its reports (plus the slack, for a slow round) is shown as gone.
+WORKERS_SHOWN = 1000
+GONE_ROUNDS = 3
+GONE_SLACK_MS = 2_000
 # A schedule's spec holds the content it creates: one longer than this is not fetched.
 SPEC_BYTES = 1 << 20
 REPLAY_STATUSES = ("replayed", "already", "dropped", "not_found")
@@ -583,8 +588,20 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
             now_ms=await queue.now(),
         )
 
+    async def workers(request: Request) -> Response:
+        rows = await queue._fetch("dashboard_workers", {"limit": WORKERS_SHOWN}, None)
+        listed = [_worker_row(row) for row in rows]
+        return render(
+            request,
+            "workers.html",
+            workers=listed,
+            alive=sum(1 for w in listed if w["state"] == "alive"),
+            now_ms=listed[0]["now_ms"] if listed else await queue.now(),
+        )
+
     routes = [
         Route("/", overview, name="overview"),
+        Route("/workers", workers, name="workers"),
         Route("/schedules", schedules, name="schedules"),
         Route("/archive", archive, name="archive"),
         Route("/archive/replay", replay_confirm, name="replay_confirm"),
@@ -742,6 +759,26 @@ def _schedule_row(row: Sequence[Any]) -> dict[str, Any]:
     except InvalidArgumentError as err:
         shown_row["problem"] = str(err)
     return shown_row
+
+
+WORKER_COLUMNS = (
+    "id", "host", "pid", "started_at", "seen_at", "every_ms", "concurrency", "running",
+    "message_ids", "channels", "stopped_at", "now_ms",
+)  # fmt: skip
+
+
+def _worker_row(row: Sequence[Any]) -> dict[str, Any]:
+    """A worker as the page shows it: ``alive``, ``stopped``, or ``gone`` once it has missed
+    ``GONE_ROUNDS`` reports (it died, or lost the database)."""
+    worker = dict(zip(WORKER_COLUMNS, row, strict=True))
+    if worker["stopped_at"] is not None:
+        worker["state"] = "stopped"
+    elif worker["now_ms"] - worker["seen_at"] > GONE_ROUNDS * worker["every_ms"] + GONE_SLACK_MS:
+        worker["state"] = "gone"
+    else:
+        worker["state"] = "alive"
+    worker["messages"] = list(zip(worker["message_ids"], worker["channels"], strict=True))
+    return worker
 
 
 ARCHIVE_COLUMNS = (

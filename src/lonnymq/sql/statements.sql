@@ -213,3 +213,22 @@ FROM {schema}.dashboard_schedules(
     p_after_name => %(after_name)s::text,
     p_limit => %(limit)s::integer,
     p_spec_bytes => %(spec_bytes)s::integer)
+
+-- name: worker_report
+SELECT {schema}.worker_report(
+    p_id => %(id)s::text,
+    p_host => %(host)s::text,
+    p_pid => %(pid)s::integer,
+    p_every_ms => %(every_ms)s::bigint,
+    p_concurrency => %(concurrency)s::integer,
+    p_running => %(running)s::integer,
+    p_message_ids => %(message_ids)s::bigint[],
+    p_channels => %(channels)s::text[])
+
+-- name: worker_stopped
+SELECT {schema}.worker_stopped(p_id => %(id)s::text)
+
+-- name: dashboard_workers
+SELECT id, host, pid, started_at, seen_at, every_ms, concurrency, running, message_ids,
+       channels, stopped_at, now_ms
+FROM {schema}.dashboard_workers(p_limit => %(limit)s::integer)

@@ -328,3 +328,29 @@ BEGIN
         LIMIT p_limit;
 END;
 $$;
+
+
+-- dashboard_workers(): the workers that reported in the last hour (the table keeps no
+-- others), the longest running first, at most p_limit, with what each runs now and the clock
+-- (a worker whose last report is more than a few of its rounds old has died).
+-- Locks: none. Raises: LQ003 (limit outside 1..10000).
+CREATE OR REPLACE FUNCTION dashboard_workers(p_limit INTEGER DEFAULT 1000)
+RETURNS TABLE (
+    id TEXT, host TEXT, pid INTEGER, started_at BIGINT, seen_at BIGINT, every_ms BIGINT,
+    concurrency INTEGER, running INTEGER, message_ids BIGINT[], channels TEXT[],
+    stopped_at BIGINT, now_ms BIGINT
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET jit = off
+AS $$
+BEGIN
+    PERFORM arg_check(p_limit BETWEEN 1 AND 10000,
+        format('limit must be between 1 and 10000, got %s', coalesce(p_limit::TEXT, 'NULL')));
+    RETURN QUERY SELECT w.id, w.host, w.pid, w.started_at, w.seen_at, w.every_ms,
+            w.concurrency, w.running, w.message_ids, w.channels, w.stopped_at, epoch()
+        FROM worker w
+        ORDER BY w.started_at, w.id
+        LIMIT p_limit;
+END;
+$$;
