@@ -119,6 +119,7 @@ def test_failures_are_listed_newest_first_with_their_error_escaped(
     assert "outcome must be 1 to 64 characters" in body
     assert get(served, "/archive?channel=" + "c" * 256)[0] == 400
     assert get(served, "/archive?before=soon")[0] == 400
+    assert get(served, "/archive?before=99999999999999999999")[0] == 400
 
 
 def test_a_long_error_is_cut_and_says_how_long_it_was(

@@ -138,6 +138,7 @@ def test_message_actions_are_refused_when_they_must_be(
         ("action=discard&name=c", "a message id is 1 or more, got None"),
         ("action=expedite&name=c&id=0", "a message id is 1 or more, got 0"),
         ("action=discard&name=c&id=x", "not a whole number"),
+        ("action=discard&name=c&id=99999999999999999999", "a number out of range"),
     ):
         status, body = get(served, "/channel/action?" + query)
         assert status == 400, query

@@ -692,19 +692,17 @@ def _target(fields: dict[str, str]) -> str:
 
 def _ids(text: str) -> list[int]:
     """The archived message ids a replay names (comma-separated), checked, once each."""
-    ids: list[int] = []
-    for part in text.split(","):
-        value = _int(part.strip())
-        if value is None:
-            continue
-        if value < 1:
-            raise InvalidArgumentError(f"a message id is 1 or more, got {value}")
-        if value not in ids:
-            ids.append(value)
-    if not ids:
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
         raise InvalidArgumentError("choose at least one archived message to replay")
-    if len(ids) > REPLAY_MAX:
-        raise InvalidArgumentError(f"at most {REPLAY_MAX} messages a replay, got {len(ids)}")
+    if len(parts) > REPLAY_MAX:
+        raise InvalidArgumentError(f"at most {REPLAY_MAX} messages a replay, got {len(parts)}")
+    ids: set[int] = set()
+    for part in parts:
+        value = _int(part)
+        if value is None or value < 1:
+            raise InvalidArgumentError(f"a message id is 1 or more, got {value}")
+        ids.add(value)
     return sorted(ids)
 
 
@@ -713,12 +711,16 @@ def _policy_text(policy: dict[str, int | None]) -> str:
 
 
 def _int(text: str | None) -> int | None:
+    """A whole number a request names (a database BIGINT), or None when it names none."""
     if text is None or text == "":
         return None
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise InvalidArgumentError(f"not a whole number: {text[:40]!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise InvalidArgumentError(f"a number out of range: {text[:40]!r}")
+    return value
 
 
 def _overview_context(sampler: Sampler, sample: Sample) -> dict[str, Any]:
