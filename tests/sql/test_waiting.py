@@ -65,6 +65,9 @@ def test_discarding_the_last_waiting_message_of_a_policy_free_channel_removes_it
     assert queue.dequeue(lock_ms=LOCK_MS) is None
     (archived,) = queue.archived()
     assert (archived.id, archived.outcome, archived.content) == (later, "discarded", b"later")
+    # The dashboard's overview does not count it as a failure.
+    (overview,) = queue._fetch("dashboard_overview", {"window_ms": 3_600_000}, None)
+    assert overview[7] == 0
 
 
 def test_discarding_the_head_moves_the_channel_to_its_next_message(

@@ -11,7 +11,8 @@
 -- (the queue's lag, in ms; NULL when nothing is due), the message table's deleted-row counter
 -- (every finished message is a delete: its growth over time is the finish rate; PostgreSQL
 -- publishes a backend's counts at its transaction ends, at most about once a second) and the
--- failures archived in the last p_window_ms (0 when the archive is off), with the clock.
+-- failures archived in the last p_window_ms (not the messages an operator discarded; 0 when
+-- the archive is off), with the clock.
 -- Locks: none. Raises: LQ003 (p_window_ms outside 1..3600000).
 CREATE OR REPLACE FUNCTION dashboard_overview(p_window_ms BIGINT DEFAULT 10000)
 RETURNS TABLE (
@@ -51,7 +52,8 @@ BEGIN
     failed_recent := 0;
     IF archive THEN
         SELECT count(*) INTO failed_recent FROM archive a
-            WHERE a.finished_at > v_now - p_window_ms AND a.outcome <> 'completed';
+            WHERE a.finished_at > v_now - p_window_ms
+              AND a.outcome NOT IN ('completed', 'discarded');
     END IF;
     RETURN NEXT;
 END;
