@@ -16,7 +16,7 @@ CREATE OR REPLACE FUNCTION worker_report(
 ) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
-SET jit = off
+SET enable_seqscan = off SET jit = off
 AS $$
 DECLARE
     v_now BIGINT := epoch();
@@ -61,7 +61,7 @@ $$;
 CREATE OR REPLACE FUNCTION worker_stopped(p_id TEXT) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
-SET jit = off
+SET enable_seqscan = off SET jit = off
 AS $$
 DECLARE
     v_now BIGINT := epoch();

@@ -344,7 +344,7 @@ RETURNS TABLE (
 )
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
-SET jit = off
+SET enable_seqscan = off SET jit = off
 AS $$
 BEGIN
     PERFORM arg_check(p_limit BETWEEN 1 AND 10000,
