@@ -1,4 +1,4 @@
--- 0004_worker: the workers of the queue as they report themselves, for the dashboard's
+-- 0005_worker: the workers of the queue as they report themselves, for the dashboard's
 -- workers page.
 --
 -- A worker reports once a heartbeat round (one upsert, whatever it runs: nothing is written

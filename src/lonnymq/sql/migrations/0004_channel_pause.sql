@@ -1,4 +1,4 @@
--- 0003_channel_pause: what a paused channel's concurrency limit was, so that resuming it
+-- 0004_channel_pause: what a paused channel's concurrency limit was, so that resuming it
 -- restores that limit rather than removing it.
 --
 -- A pause is rare and short-lived, so its memory is a row of a table of its own: the channel
