@@ -10,7 +10,8 @@ Every error is a :class:`LonnyMQError`; refusals by the queue carry their own SQ
     │   └── PayloadTooLargeError                     LQ006
     ├── MessageError
     │   ├── MessageNotFoundError                     LQ001
-    │   └── StaleMessageError                        LQ002
+    │   ├── StaleMessageError                        LQ002
+    │   └── MessageLockedError                       LQ007
     ├── ChannelFullError                             a message that may not be dropped met max_size
     ├── SchemaError
     │   ├── SchemaNotInstalledError
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidPolicyError",
     "LonnyMQError",
     "MessageError",
+    "MessageLockedError",
     "MessageNotFoundError",
     "PayloadTooLargeError",
     "PermissionDeniedError",
@@ -96,6 +98,13 @@ class StaleMessageError(MessageError):
     sqlstate = "LQ002"
 
 
+class MessageLockedError(MessageError):
+    """The message is locked: a worker holds it, and only a waiting message may be discarded
+    or made due now. Nothing was changed."""
+
+    sqlstate = "LQ007"
+
+
 class ChannelFullError(LonnyMQError):
     """A channel at its ``max_size`` refused a message that must not be dropped (a dead-letter
     copy); nothing was changed: the message is still where it was, and still held."""
@@ -145,6 +154,7 @@ _BY_SQLSTATE: dict[str, type[LonnyMQError]] = {
     for cls in (
         MessageNotFoundError,
         StaleMessageError,
+        MessageLockedError,
         InvalidArgumentError,
         InvalidPolicyError,
         InvalidChannelError,

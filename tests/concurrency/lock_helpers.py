@@ -3,6 +3,7 @@ blocked on a lock."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -37,3 +38,26 @@ def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     thread = threading.Thread(target=run)
     thread.start()
     return thread, out
+
+
+def log_plans(
+    conn: psycopg.Connection[Any], on_plan: Callable[[str, dict[str, Any]], None]
+) -> None:
+    """Have ``conn`` hand the plan of every statement it runs, those inside functions too, to
+    ``on_plan(query, plan)`` (``auto_explain``, in JSON, as LOG notices)."""
+
+    def on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
+        head, sep, body = (diagnostic.message_primary or "").partition("plan:")
+        if sep and head.startswith("duration:"):
+            document = json.loads(body)
+            on_plan(document["Query Text"], document["Plan"])
+
+    conn.add_notice_handler(on_notice)
+    for setting in (
+        "LOAD 'auto_explain'",
+        "SET auto_explain.log_min_duration = 0",
+        "SET auto_explain.log_nested_statements = on",
+        "SET auto_explain.log_format = json",
+        "SET client_min_messages = log",
+    ):
+        conn.execute(setting)

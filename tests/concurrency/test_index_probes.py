@@ -23,12 +23,13 @@ noisy and timings belong in the benchmark.
 
 from __future__ import annotations
 
-import json
 import re
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -36,6 +37,9 @@ import pytest
 from psycopg import sql
 
 from lonnymq import NewMessage, Queue
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lock_helpers import log_plans
 
 N = 100_000
 # Plans are captured in two passes, each on a new connection (a fresh plan cache): the first
@@ -329,15 +333,6 @@ def _nodes(node: dict[str, Any], *, subplans: bool = True) -> Iterator[dict[str,
             yield from _nodes(child, subplans=subplans)
 
 
-def _parse_notice(message: str) -> Plan | None:
-    """The plan of one auto_explain LOG message (``duration: ... plan:`` + JSON), else None."""
-    head, sep, body = message.partition("plan:")
-    if not sep or not head.startswith("duration:"):
-        return None
-    document = json.loads(body)
-    return Plan(query=document["Query Text"], root=document["Plan"])
-
-
 def _step_of(plan: Plan) -> str | None:
     query = " ".join(plan.query.split())
     for step, (fragment, _) in STEPS.items():
@@ -452,22 +447,8 @@ def _capture(
     plans: list[Plan] = []
     results: list[tuple[int | None, int | None]] = []
 
-    def on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
-        plan = _parse_notice(diagnostic.message_primary or "")
-        if plan is not None:
-            plans.append(plan)
-
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.add_notice_handler(on_notice)
-        for setting in (
-            "LOAD 'auto_explain'",
-            "SET auto_explain.log_min_duration = 0",
-            "SET auto_explain.log_nested_statements = on",
-            "SET auto_explain.log_analyze = off",
-            "SET auto_explain.log_format = json",
-            "SET client_min_messages = log",
-        ):
-            conn.execute(setting)
+        log_plans(conn, lambda query, root: plans.append(Plan(query, root)))
         if force_index:
             for name in FORCE_INDEX:
                 conn.execute(f"SET {name} = off")
@@ -843,21 +824,8 @@ def test_a_batch_riding_along_on_many_channels_counts_each_once(
     plans: list[Plan] = []
     taken: list[list[int]] = []
 
-    def on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
-        plan = _parse_notice(diagnostic.message_primary or "")
-        if plan is not None:
-            plans.append(plan)
-
     with _holding(dsn, queue.schema, everyone), psycopg.connect(dsn, autocommit=True) as conn:
-        conn.add_notice_handler(on_notice)
-        for setting in (
-            "LOAD 'auto_explain'",
-            "SET auto_explain.log_min_duration = 0",
-            "SET auto_explain.log_nested_statements = on",
-            "SET auto_explain.log_format = json",
-            "SET client_min_messages = log",
-        ):
-            conn.execute(setting)
+        log_plans(conn, lambda query, root: plans.append(Plan(query, root)))
         # Custom plans first, then (plpgsql caches it after five calls) the generic plan.
         for mode in ["auto"] * 6 + ["force_generic_plan"] * 2:
             conn.execute(f"SET plan_cache_mode = {mode}")

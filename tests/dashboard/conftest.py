@@ -4,6 +4,7 @@ with its own event loop and AsyncQueue), and one headless Chromium for the test 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import shutil
 import socket
 import tempfile
@@ -81,6 +82,17 @@ class Served:
         self._listener.close()
         assert not self._thread.is_alive()
         assert self._failure is None, self._failure
+
+
+def get(served: Served, path: str) -> tuple[int, str]:
+    """GET ``path`` of the served dashboard: its status and body."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
 
 
 @pytest.fixture

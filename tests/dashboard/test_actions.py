@@ -50,7 +50,7 @@ def test_each_action_asks_then_does_what_it_says_and_is_logged(
 ) -> None:
     caplog.set_level(logging.INFO, logger="lonnymq.dashboard")
     queue.create_many([NewMessage(b"x", channel="orders") for _ in range(3)])
-    queue.channel("orders").set_policy(release_interval_ms=50)
+    queue.channel("orders").set_policy(max_concurrency=4, release_interval_ms=50)
     served = serve()
 
     question = _confirm(browser, served, "orders", "pause")
@@ -62,7 +62,8 @@ def test_each_action_asks_then_does_what_it_says_and_is_logged(
 
     question = _confirm(browser, served, "orders", "resume")
     assert question.startswith("Resume channel orders")
-    assert _policy(queue, "orders") == Policy(None, 50, None)
+    # The concurrency limit it had before the pause is back.
+    assert _policy(queue, "orders") == Policy(4, 50, None)
 
     browser.get(served.url + "channel?name=orders")
     for field, value in (("max_concurrency", "2"), ("release_interval_ms", ""), ("max_size", "9")):
@@ -74,7 +75,7 @@ def test_each_action_asks_then_does_what_it_says_and_is_logged(
     # Cancel first: nothing changes.
     browser.find_element(By.ID, "cancel").click()
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "channel-name"))
-    assert _policy(queue, "orders") == Policy(None, 50, None)
+    assert _policy(queue, "orders") == Policy(4, 50, None)
     browser.back()
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "confirm"))[0].click()
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "done"))

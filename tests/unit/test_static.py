@@ -292,6 +292,7 @@ REFUSALS: dict[str, type[errors.LonnyMQError]] = {
     "LQ004": errors.InvalidPolicyError,
     "LQ005": errors.InvalidChannelError,
     "LQ006": errors.PayloadTooLargeError,
+    "LQ007": errors.MessageLockedError,
 }
 
 

@@ -26,7 +26,8 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..errors import InvalidArgumentError, LonnyMQError, PermissionDeniedError
+from .. import schedule as _schedule
+from ..errors import InvalidArgumentError, LonnyMQError, MessageError, PermissionDeniedError
 from ..queue_async import AsyncQueue
 
 PAGE_SIZE = 50
@@ -50,13 +51,39 @@ CONFIRM_TTL_S = 600
 # The actions on a channel, and what each asks before it runs.
 ACTIONS = {
     "pause": "Pause channel {name}: no message of it is taken until it is resumed (its "
-    "max_concurrency becomes 0; its other limits stay).",
-    "resume": "Resume channel {name}: its messages are taken again, with no concurrency limit "
-    "(its other limits stay).",
+    "max_concurrency becomes 0, and is remembered; its other limits stay).",
+    "resume": "Resume channel {name}: its messages are taken again, under the concurrency limit "
+    "it had when it was paused here (none if it was paused otherwise; its other limits stay).",
     "set": "Set the policy of channel {name} to: {policy}. Limits left empty are removed.",
     "clear": "Remove the policy of channel {name}: no limit from now on.",
+    "discard": "Delete message {id} of channel {name}, which waits: it is removed for good "
+    "(the archive, when it is on, keeps it with outcome discarded).",
+    "expedite": "Make message {id} of channel {name} due now: it leaves after the messages "
+    "already due in its channel.",
 }
+# The actions on one waiting message of a channel (the others are on the channel).
+MESSAGE_ACTIONS = ("discard", "expedite")
 POLICY_FIELDS = ("max_concurrency", "release_interval_ms", "max_size")
+# What an action's signature covers: every field a confirmation form carries.
+SIGNED = ("action", "name", "id", "ids", "expires", *POLICY_FIELDS)
+REPLAY = (
+    "Replay {count} archived message(s) ({ids}): each is created again in its channel, due "
+    "now, with its attempts from zero. A message replayed before is not replayed again."
+)
+# At most this many archived messages are replayed by one confirmation.
+REPLAY_MAX = 1000
+# The archive page walks at most this many archived rows per page (a filter few of them
+# match then offers to walk on), and shows at most this much of an error.
+ARCHIVE_SCAN_CAP = 10_000
+ERROR_CHARS = 16_384
+# The workers page lists at most this many workers (the table keeps an hour of them); one that
+# missed this many of its reports (plus the slack, for a slow round) is shown as gone.
+WORKERS_SHOWN = 1000
+GONE_ROUNDS = 3
+GONE_SLACK_MS = 2_000
+# A schedule's spec holds the content it creates: one longer than this is not fetched.
+SPEC_BYTES = 1 << 20
+REPLAY_STATUSES = ("replayed", "already", "dropped", "not_found")
 log = logging.getLogger("lonnymq.dashboard")
 SORTS = ("name", "-name", "due")
 HEADERS = {
@@ -127,10 +154,22 @@ class Sampler:
         return out
 
 
-def shown(value: str) -> str:
+def shown(value: str, lines: bool = False) -> str:
     """``value`` with what would not show as itself (control and format characters, such as
-    a right-to-left override) written as escapes; HTML escaping is still the template's."""
-    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in value)
+    a right-to-left override) written as escapes, line breaks kept when ``lines``; HTML
+    escaping is still the template's."""
+    kept = "\n" if lines else ""
+    return "".join(c if c.isprintable() or c in kept else f"\\u{ord(c):04x}" for c in value)
+
+
+def last_line(text: str | None) -> str:
+    """An error's last non-empty line: the exception and its message, under the traceback."""
+    if not text:
+        return "-"
+    for line in reversed(text.splitlines()):
+        if line.strip():
+            return line.strip()
+    return "-"
 
 
 def preview(data: bytes | None, length: int | None) -> str:
@@ -258,7 +297,9 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
         loader=PackageLoader("lonnymq.dashboard", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
     )
-    env.filters.update(shown=shown, duration=duration, preview=preview, when=when)
+    env.filters.update(
+        shown=shown, duration=duration, preview=preview, when=when, last_line=last_line
+    )
     sampler = Sampler(queue)
     # The channel sizes each page last showed, for the net rate the next refresh shows.
     seen: dict[str, tuple[int, int]] = {}
@@ -358,96 +399,213 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
             view=view,
             messages=listed,
             following=following,
-            now_ms=(await sampler.latest()).at_ms,
+            # The clock once the messages were read: only a message due after it offers "due now".
+            now_ms=await queue.now(),
             done=request.query_params.get("done"),
         )
 
     secret = secrets.token_bytes(32)
 
     def signature(fields: dict[str, str]) -> str:
-        text = "\0".join(
-            f"{k}={fields.get(k, '')}" for k in ("action", "name", "expires", *POLICY_FIELDS)
-        )
+        text = "\0".join(f"{k}={fields.get(k, '')}" for k in SIGNED)
         return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
 
     def refused(request: Request, why: str, status: int, fields: dict[str, str]) -> Response:
         log.warning(
-            "dashboard refused %s on channel %r from %s: %s",
+            "dashboard refused %s on %s from %s: %s",
             fields.get("action"),
-            fields.get("name"),
+            _target(fields),
             request.client.host if request.client else "?",
             why,
         )
         return render(request, "error.html", status, message=f"Refused: {why}")
 
+    async def posted(request: Request) -> tuple[dict[str, str], Response | None]:
+        """The fields of a confirmed action's form, or the response that refuses it: in
+        read-only mode, from another site, or without a valid confirmation."""
+        parsed = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
+        fields = {k: v[0] for k, v in parsed.items() if len(v) == 1}
+        if read_only:
+            return fields, refused(request, "this dashboard is read-only", 403, fields)
+        # A browser names where a request comes from; another site's form is refused.
+        site = request.headers.get("sec-fetch-site")
+        if site is not None and site not in ("same-origin", "none"):
+            return fields, refused(request, f"a request from another site ({site})", 403, fields)
+        good = hmac.compare_digest(fields.get("csrf", ""), signature(fields))
+        if not good or (_int(fields.get("expires")) or 0) < time.time():
+            why = "the confirmation is not valid (expired or forged)"
+            return fields, refused(request, why, 403, fields)
+        return fields, None
+
+    def confirmation(request: Request, form: dict[str, str], question: str, back: str) -> Response:
+        form["expires"] = str(int(time.time()) + CONFIRM_TTL_S)
+        form["csrf"] = signature(form)
+        return render(request, "confirm.html", question=question, form=form, back=back)
+
     async def confirm(request: Request) -> Response:
         fields = {
-            k: v for k, v in request.query_params.items() if k in ("action", "name", *POLICY_FIELDS)
+            k: v
+            for k, v in request.query_params.items()
+            if k in ("action", "name", "id", *POLICY_FIELDS)
         }
         if read_only:
             return refused(request, "this dashboard is read-only", 403, fields)
         try:
-            action, name, policy = _action(fields)
+            action, name, values = _action(fields)
         except InvalidArgumentError as err:
             return render(request, "error.html", 400, message=str(err))
-        form = {"action": action, "name": name, "expires": str(int(time.time()) + CONFIRM_TTL_S)}
-        form.update({k: "" if v is None else str(v) for k, v in policy.items()})
-        form["csrf"] = signature(form)
-        question = ACTIONS[action].format(name=shown(name), policy=_policy_text(policy))
-        return render(request, "confirm.html", question=question, form=form, name=name)
+        form = {"action": action, "name": name}
+        form.update({k: "" if v is None else str(v) for k, v in values.items()})
+        question = ACTIONS[action].format(
+            name=shown(name), policy=_policy_text(values), id=values.get("id")
+        )
+        return confirmation(request, form, question, _url(request, "channel", {"name": name}))
 
     async def act(request: Request) -> Response:
-        parsed = parse_qs((await request.body()).decode("utf-8", "replace"), keep_blank_values=True)
-        fields = {k: v[0] for k, v in parsed.items() if len(v) == 1}
-        if read_only:
-            return refused(request, "this dashboard is read-only", 403, fields)
-        # A browser names where a request comes from; another site's form is refused.
-        site = request.headers.get("sec-fetch-site")
-        if site is not None and site not in ("same-origin", "none"):
-            return refused(request, f"a request from another site ({site})", 403, fields)
-        good = hmac.compare_digest(fields.get("csrf", ""), signature(fields))
-        if not good or int(fields.get("expires") or 0) < time.time():
-            return refused(
-                request, "the confirmation is not valid (expired or forged)", 403, fields
-            )
+        fields, refusal = await posted(request)
+        if refusal is not None:
+            return refusal
         try:
-            action, name, policy = _action(fields)
+            action, name, values = _action(fields)
             channel = queue.channel(name)
-            if action == "clear":
+            if action == "discard":
+                await queue._fetch("message_discard", {"id": values["id"], "channel": name}, None)
+            elif action == "expedite":
+                await queue._fetch("message_expedite", {"id": values["id"], "channel": name}, None)
+            elif action == "clear":
                 await channel.clear_policy()
             elif action == "set":
                 await channel.set_policy(
-                    max_concurrency=policy["max_concurrency"],
-                    release_interval_ms=policy["release_interval_ms"],
-                    max_size=policy["max_size"],
+                    max_concurrency=values["max_concurrency"],
+                    release_interval_ms=values["release_interval_ms"],
+                    max_size=values["max_size"],
                 )
             else:
-                rows = await queue._fetch("dashboard_channels", _only(name), None)
-                kept = _channel_row(rows[0]) if rows else {}
-                interval, size = kept.get("release_interval_ms"), kept.get("max_size")
-                if action == "pause":
-                    await channel.set_policy(
-                        max_concurrency=0, release_interval_ms=interval, max_size=size
-                    )
-                elif interval is not None or size is not None:
-                    await channel.set_policy(release_interval_ms=interval, max_size=size)
-                else:
-                    await channel.clear_policy()
+                statement = "channel_pause" if action == "pause" else "channel_resume"
+                await queue._fetch(statement, {"channel": name}, None)
         except PermissionDeniedError as err:
             return refused(request, f"the database role may not do this ({err})", 403, fields)
         except InvalidArgumentError as err:
             return render(request, "error.html", 400, message=str(err))
+        except MessageError as err:
+            # The message left or was taken since the page showed it.
+            return render(request, "error.html", 409, message=f"{type(err).__name__}: {err}")
+        detail = "-"
+        if action == "set":
+            detail = _policy_text(values)
+        elif action in MESSAGE_ACTIONS:
+            detail = f"message {values['id']}"
         log.info(
             "dashboard %s on channel %r (%s) from %s",
             action,
             name,
-            _policy_text(policy) if action == "set" else "-",
+            detail,
             request.client.host if request.client else "?",
         )
         return RedirectResponse(_url(request, "channel", {"name": name, "done": action}), 303)
 
+    async def archive(request: Request) -> Response:
+        query = request.query_params
+        outcome = query.get("outcome") or None
+        name = query.get("channel") or None
+        rows = await queue._fetch(
+            "dashboard_archive",
+            {
+                "outcome": outcome,
+                "channel": name,
+                "before_id": _int(query.get("before")),
+                "limit": PAGE_SIZE,
+                "scan_cap": ARCHIVE_SCAN_CAP,
+                "preview_bytes": PREVIEW_BYTES,
+                "error_chars": ERROR_CHARS,
+            },
+            None,
+        )
+        listed = [_archived_row(row) for row in rows if row[0] is not None]
+        following = None
+        if rows and rows[-1][0] is None:
+            following = {"outcome": outcome, "channel": name, "before": rows[-1][-1]}
+        done = {k: _int(query.get(k)) for k in REPLAY_STATUSES if query.get(k)}
+        return render(
+            request,
+            "archive.html",
+            archived=listed,
+            outcome=outcome or "",
+            channel=name or "",
+            following=following,
+            paged="before" in query,
+            archive_on=(await queue.settings()).archive,
+            done=done,
+            now_ms=(await sampler.latest()).at_ms,
+        )
+
+    async def replay_confirm(request: Request) -> Response:
+        fields = {"action": "replay", "ids": ",".join(request.query_params.getlist("id"))}
+        if read_only:
+            return refused(request, "this dashboard is read-only", 403, fields)
+        ids = _ids(fields["ids"])
+        form = {"action": "replay", "ids": ",".join(map(str, ids))}
+        shown_ids = ", ".join(map(str, ids[:10])) + (", …" if len(ids) > 10 else "")
+        question = REPLAY.format(count=len(ids), ids=shown_ids)
+        return confirmation(request, form, question, _url(request, "archive", {}))
+
+    async def replay(request: Request) -> Response:
+        fields, refusal = await posted(request)
+        if refusal is not None:
+            return refusal
+        if fields.get("action") != "replay":
+            return render(request, "error.html", 400, message="not a replay's confirmation")
+        ids = _ids(fields.get("ids", ""))
+        try:
+            results = await queue.replay(ids)
+        except PermissionDeniedError as err:
+            return refused(request, f"the database role may not do this ({err})", 403, fields)
+        counts = {k: sum(1 for r in results if r.status == k) for k in REPLAY_STATUSES}
+        log.info(
+            "dashboard replay of archived messages %s (%s) from %s",
+            fields["ids"],
+            ", ".join(f"{k} {v}" for k, v in counts.items() if v),
+            request.client.host if request.client else "?",
+        )
+        shown_counts = {k: v for k, v in counts.items() if v}
+        return RedirectResponse(_url(request, "archive", shown_counts), 303)
+
+    async def schedules(request: Request) -> Response:
+        after = request.query_params.get("after") or None
+        rows = await queue._fetch(
+            "dashboard_schedules",
+            {"after_name": after, "limit": PAGE_SIZE + 1, "spec_bytes": SPEC_BYTES},
+            None,
+        )
+        listed = [_schedule_row(row) for row in rows[:PAGE_SIZE]]
+        following = {"after": listed[-1]["name"]} if len(rows) > PAGE_SIZE else None
+        return render(
+            request,
+            "schedules.html",
+            schedules=listed,
+            following=following,
+            paged=after is not None,
+            now_ms=await queue.now(),
+        )
+
+    async def workers(request: Request) -> Response:
+        rows = await queue._fetch("dashboard_workers", {"limit": WORKERS_SHOWN}, None)
+        listed = [_worker_row(row) for row in rows]
+        return render(
+            request,
+            "workers.html",
+            workers=listed,
+            alive=sum(1 for w in listed if w["state"] == "alive"),
+            now_ms=listed[0]["now_ms"] if listed else await queue.now(),
+        )
+
     routes = [
         Route("/", overview, name="overview"),
+        Route("/workers", workers, name="workers"),
+        Route("/schedules", schedules, name="schedules"),
+        Route("/archive", archive, name="archive"),
+        Route("/archive/replay", replay_confirm, name="replay_confirm"),
+        Route("/archive/replay", replay, methods=["POST"], name="replay"),
         Route("/channel/action", confirm, name="confirm"),
         Route("/channel/action", act, methods=["POST"], name="act"),
         Route("/live/overview", overview_live, name="overview_live"),
@@ -503,7 +661,7 @@ def _only(name: str) -> dict[str, Any]:
 
 
 def _action(fields: dict[str, str]) -> tuple[str, str, dict[str, int | None]]:
-    """The action, channel and policy a form names, checked."""
+    """The action, channel and values (a policy, or a message's id) a form names, checked."""
     action = fields.get("action", "")
     if action not in ACTIONS:
         raise InvalidArgumentError(f"unknown action {action[:40]!r}")
@@ -517,7 +675,35 @@ def _action(fields: dict[str, str]) -> tuple[str, str, dict[str, int | None]]:
             if value is not None and value < 0:
                 raise InvalidArgumentError(f"{field} must be 0 or more, got {value}")
             policy[field] = value
+    if action in MESSAGE_ACTIONS:
+        message_id = _int(fields.get("id"))
+        if message_id is None or message_id < 1:
+            raise InvalidArgumentError(f"a message id is 1 or more, got {message_id}")
+        policy["id"] = message_id
     return action, name, policy
+
+
+def _target(fields: dict[str, str]) -> str:
+    """What an action's form names, for the log."""
+    if fields.get("ids"):
+        return f"archived messages {fields['ids'][:200]}"
+    return f"channel {fields.get('name')!r}"
+
+
+def _ids(text: str) -> list[int]:
+    """The archived message ids a replay names (comma-separated), checked, once each."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not parts:
+        raise InvalidArgumentError("choose at least one archived message to replay")
+    if len(parts) > REPLAY_MAX:
+        raise InvalidArgumentError(f"at most {REPLAY_MAX} messages a replay, got {len(parts)}")
+    ids: set[int] = set()
+    for part in parts:
+        value = _int(part)
+        if value is None or value < 1:
+            raise InvalidArgumentError(f"a message id is 1 or more, got {value}")
+        ids.add(value)
+    return sorted(ids)
 
 
 def _policy_text(policy: dict[str, int | None]) -> str:
@@ -525,12 +711,16 @@ def _policy_text(policy: dict[str, int | None]) -> str:
 
 
 def _int(text: str | None) -> int | None:
+    """A whole number a request names (a database BIGINT), or None when it names none."""
     if text is None or text == "":
         return None
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         raise InvalidArgumentError(f"not a whole number: {text[:40]!r}") from None
+    if not -(2**63) <= value < 2**63:
+        raise InvalidArgumentError(f"a number out of range: {text[:40]!r}")
+    return value
 
 
 def _overview_context(sampler: Sampler, sample: Sample) -> dict[str, Any]:
@@ -549,6 +739,54 @@ CHANNEL_COLUMNS = (
     "channel", "size", "size_exact", "in_flight", "next_dequeue_at", "has_policy",
     "max_concurrency", "release_interval_ms", "max_size",
 )  # fmt: skip
+
+
+def _schedule_row(row: Sequence[Any]) -> dict[str, Any]:
+    """A schedule as the page shows it: its spec read as ``schedules()`` reads it (a spec
+    too long to fetch, or unreadable, shows as such)."""
+    name, data, length, next_at, state, locked = row
+    shown_row: dict[str, Any] = {
+        "name": name,
+        "next_at": next_at,
+        "last_fired_at": _schedule.decode_state(None if state is None else bytes(state)),
+        "firing": locked,
+        "spec": None,
+        "problem": None,
+    }
+    if data is None:
+        shown_row["problem"] = f"its spec is {length:,} bytes, too long to show"
+        return shown_row
+    try:
+        shown_row["spec"] = _schedule.ScheduleSpec.decode(bytes(data))
+    except InvalidArgumentError as err:
+        shown_row["problem"] = str(err)
+    return shown_row
+
+
+WORKER_COLUMNS = (
+    "id", "host", "pid", "started_at", "seen_at", "every_ms", "concurrency", "running",
+    "message_ids", "channels", "stopped_at", "now_ms",
+)  # fmt: skip
+
+
+def _worker_row(row: Sequence[Any]) -> dict[str, Any]:
+    """A worker as the page shows it: ``alive``, ``stopped``, or ``gone`` once it has missed
+    ``GONE_ROUNDS`` reports (it died, or lost the database)."""
+    worker = dict(zip(WORKER_COLUMNS, row, strict=True))
+    if worker["stopped_at"] is not None:
+        worker["state"] = "stopped"
+    elif worker["now_ms"] - worker["seen_at"] > GONE_ROUNDS * worker["every_ms"] + GONE_SLACK_MS:
+        worker["state"] = "gone"
+    else:
+        worker["state"] = "alive"
+    worker["messages"] = list(zip(worker["message_ids"], worker["channels"], strict=True))
+    return worker
+
+
+ARCHIVE_COLUMNS = (
+    "id", "channel", "outcome", "num_attempts", "created_at", "finished_at", "error",
+    "error_length", "content", "content_length", "replayed_as", "next_before",
+)  # fmt: skip
 MESSAGE_COLUMNS = (
     "id", "num_attempts", "dequeue_at", "unlock_at", "created_at", "content", "content_length",
     "state", "state_length", "dedup_key",
@@ -557,6 +795,10 @@ MESSAGE_COLUMNS = (
 
 def _channel_row(row: Sequence[Any]) -> dict[str, Any]:
     return dict(zip(CHANNEL_COLUMNS, row, strict=True))
+
+
+def _archived_row(row: Sequence[Any]) -> dict[str, Any]:
+    return dict(zip(ARCHIVE_COLUMNS, row, strict=True))
 
 
 def _message_row(row: Sequence[Any]) -> dict[str, Any]:

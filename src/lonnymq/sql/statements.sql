@@ -181,3 +181,54 @@ FROM {schema}.dashboard_channel_messages(
     p_after_id => %(after_id)s::bigint,
     p_limit => %(limit)s::integer,
     p_preview_bytes => %(preview_bytes)s::integer)
+
+-- name: dashboard_archive
+SELECT id, channel, outcome, num_attempts, created_at, finished_at, error, error_length,
+       content_preview, content_length, replayed_as, next_before
+FROM {schema}.dashboard_archive(
+    p_outcome => %(outcome)s::text,
+    p_channel => %(channel)s::text,
+    p_before_id => %(before_id)s::bigint,
+    p_limit => %(limit)s::integer,
+    p_scan_cap => %(scan_cap)s::integer,
+    p_preview_bytes => %(preview_bytes)s::integer,
+    p_error_chars => %(error_chars)s::integer)
+
+-- name: message_discard
+SELECT {schema}.message_discard(p_id => %(id)s::bigint, p_channel => %(channel)s::text)
+
+-- name: message_expedite
+SELECT channel, moved
+FROM {schema}.message_expedite(p_id => %(id)s::bigint, p_channel => %(channel)s::text)
+
+-- name: channel_pause
+SELECT {schema}.channel_pause(p_channel => %(channel)s::text)
+
+-- name: channel_resume
+SELECT {schema}.channel_resume(p_channel => %(channel)s::text)
+
+-- name: dashboard_schedules
+SELECT name, spec, spec_length, next_at, state, is_locked
+FROM {schema}.dashboard_schedules(
+    p_after_name => %(after_name)s::text,
+    p_limit => %(limit)s::integer,
+    p_spec_bytes => %(spec_bytes)s::integer)
+
+-- name: worker_report
+SELECT {schema}.worker_report(
+    p_id => %(id)s::text,
+    p_host => %(host)s::text,
+    p_pid => %(pid)s::integer,
+    p_every_ms => %(every_ms)s::bigint,
+    p_concurrency => %(concurrency)s::integer,
+    p_running => %(running)s::integer,
+    p_message_ids => %(message_ids)s::bigint[],
+    p_channels => %(channels)s::text[])
+
+-- name: worker_stopped
+SELECT {schema}.worker_stopped(p_id => %(id)s::text)
+
+-- name: dashboard_workers
+SELECT id, host, pid, started_at, seen_at, every_ms, concurrency, running, message_ids,
+       channels, stopped_at, now_ms
+FROM {schema}.dashboard_workers(p_limit => %(limit)s::integer)

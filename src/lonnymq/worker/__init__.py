@@ -30,6 +30,7 @@ import random
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -147,6 +148,7 @@ class Worker:
         self._slots: _Slots | None = None
         self._rng = random.Random()
         self._clock_offset_ms = 0
+        self._id = ""
 
     # -- control -------------------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class Worker:
         elif not self._stopped_at:
             self._stopped_at = time.monotonic()
         self.stats = WorkerStats()  # this run's (a later run does not add to what it returned)
+        self._id = uuid.uuid4().hex  # this run's, in the queue's worker table
         previous = self._install_signals() if handle_signals else {}
         self._slots = _Slots(self.options.concurrency, self._execute)
         helpers = [threading.Thread(target=self._heartbeats, daemon=True, name="lonnymq-hb")]
@@ -201,6 +204,10 @@ class Worker:
         finally:
             self._halt()
             self._shutdown()
+            # Its row in the worker table says it stopped (a report still under way leaves
+            # that so).
+            with contextlib.suppress(LonnyMQError, psycopg.Error):
+                self.queue._fetch("worker_stopped", {"id": self._id}, None)
             # A maintain() under way finishes before run() returns: the caller may close
             # the queue next.
             for helper in helpers:
@@ -505,6 +512,7 @@ class Worker:
             # eat into the lock's margin); connected again at a round when this fails.
             with contextlib.suppress(psycopg.Error):
                 conn = psycopg.connect(self.queue.dsn, autocommit=True)
+            self._report(conn)
             while True:
                 wait = max(0.0, next_round - time.monotonic())
                 if self._stopping.is_set():
@@ -516,6 +524,7 @@ class Worker:
                 else:
                     self._stopping.wait(wait)
                 next_round = max(next_round + period, time.monotonic())
+                self._report(conn)
                 with self._lock:
                     tasks = [
                         t
@@ -543,6 +552,22 @@ class Worker:
         finally:
             if conn is not None:
                 conn.close()
+
+    def _report(self, conn: psycopg.Connection[Any] | None) -> None:
+        """Say, in the queue's worker table, that this worker is alive and what it runs (one
+        upsert a round, nothing per message); a failure waits for the next round."""
+        if conn is None:
+            return
+        with self._lock:
+            running = [t.message for t in self._running]
+        if self._stopping.is_set() and not running:
+            return  # the round that a stop woke: the run is over
+        try:
+            self.queue._fetch(
+                "worker_report", _policy.presence(self._id, self.options, running), conn
+            )
+        except (LonnyMQError, psycopg.Error) as err:
+            log.debug("could not report this worker (%s)", err)
 
     def _renewed(self, task: _Task, outcome: _policy.Renewal) -> None:
         if outcome is _policy.Renewal.RENEWED or task.done.is_set():

@@ -15,6 +15,7 @@ import random
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +124,7 @@ class AsyncWorker:
         # Every run until its outcome is reported, keyed by itself: a handler that yielded
         # (deferred to now) may still be reporting when its message is taken again.
         self._running: dict[_Run, None] = {}
+        self._id = ""
         self._pending: _policy.Pending[_Run, AsyncMessage] = _policy.Pending()
         self._rng = random.Random()
         self._clock_offset_ms = 0
@@ -151,6 +153,7 @@ class AsyncWorker:
         elif not self._stopped_at:
             self._stopped_at = time.monotonic()
         self.stats = WorkerStats()  # this run's (a later run does not add to what it returned)
+        self._id = uuid.uuid4().hex  # this run's, in the queue's worker table
         loop = asyncio.get_running_loop()
         signals = []
         if handle_signals and threading.current_thread() is threading.main_thread():
@@ -177,6 +180,9 @@ class AsyncWorker:
             for helper in helpers:
                 with contextlib.suppress(asyncio.CancelledError):
                     await helper
+            # Its row in the worker table says it stopped.
+            with contextlib.suppress(LonnyMQError, psycopg.Error):
+                await self.queue._fetch("worker_stopped", {"id": self._id}, None)
             for sig in signals:
                 loop.remove_signal_handler(sig)
         return self.stats
@@ -439,9 +445,11 @@ class AsyncWorker:
             # eat into the lock's margin); connected again at a round when this fails.
             with contextlib.suppress(psycopg.Error):
                 conn = await psycopg.AsyncConnection.connect(self.queue.dsn, autocommit=True)
+            await self._report(conn)
             while True:
                 await asyncio.sleep(max(0.0, next_round - time.monotonic()))
                 next_round = max(next_round + period, time.monotonic())
+                await self._report(conn)
                 runs = [r for r in self._running if not (r.lost or r.abandoned or r.giving_back)]
                 if not runs:
                     continue
@@ -480,6 +488,19 @@ class AsyncWorker:
         finally:
             if conn is not None:
                 await conn.close()
+
+    async def _report(self, conn: psycopg.AsyncConnection[Any] | None) -> None:
+        """Say, in the queue's worker table, that this worker is alive and what it runs (one
+        upsert a round, nothing per message); a failure waits for the next round."""
+        if conn is None:
+            return
+        running = [r.message for r in self._running]
+        try:
+            await self.queue._fetch(
+                "worker_report", _policy.presence(self._id, self.options, running), conn
+            )
+        except (LonnyMQError, psycopg.Error) as err:
+            log.debug("could not report this worker (%s)", err)
 
     async def _maintain(self, every_ms: int) -> None:
         """Run ``queue.maintain()`` every ``every_ms`` (the task is cancelled at the end)."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
+import socket
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -548,3 +550,26 @@ def log_settled(log: logging.Logger, report: Report[R, M], status: AckStatus) ->
             extra=fields,
         )
     return report.counter
+
+
+# A worker's report names at most this many of the messages it runs (the dashboard's view).
+REPORTED_MESSAGES = 20
+
+
+def presence(
+    worker_id: str, options: WorkerOptions, running: Iterable[_Message]
+) -> dict[str, object]:
+    """What a worker reports of itself once a heartbeat round (``worker_report``): its
+    identity, how wide it is and what it runs now (the first ``REPORTED_MESSAGES``)."""
+    held = list(running)
+    shown = held[:REPORTED_MESSAGES]
+    return {
+        "id": worker_id,
+        "host": socket.gethostname()[:255],
+        "pid": os.getpid(),
+        "every_ms": options.heartbeat_ms,
+        "concurrency": options.concurrency,
+        "running": len(held),
+        "message_ids": [m.id for m in shown],
+        "channels": [m.channel for m in shown],
+    }

@@ -4,7 +4,7 @@
 -- channel_policy_set(): set a channel's policy; NULL means unlimited. It applies at once to
 -- the live channel (a lower max_concurrency lets in-flight messages finish; a lower max_size
 -- keeps the messages already there) and stays when the channel empties. A channel that had no
--- policy has its messages counted once.
+-- policy has its messages counted once. What channel_pause remembered is forgotten.
 -- Locks: the channel's exclusive advisory lock (waiting for operations in flight on it), then
 -- its row. Raises: LQ004 (negative or out-of-range values), LQ005.
 CREATE OR REPLACE FUNCTION channel_policy_set(
@@ -35,6 +35,7 @@ BEGIN
 
     PERFORM pg_advisory_xact_lock(channel_key(p_channel));
     v_channel := channel_lock(p_channel);
+    DELETE FROM channel_pause p WHERE p.name = p_channel;
     v_next_at := channel_next_at(p_channel,
         v_channel.last_dequeue_at + coalesce(p_release_interval_ms, 0));
     UPDATE channel c SET
@@ -62,7 +63,8 @@ END;
 $$;
 
 
--- channel_policy_clear(): remove a channel's policy (unlimited from now on).
+-- channel_policy_clear(): remove a channel's policy (unlimited from now on), and what
+-- channel_pause remembered.
 -- Locks: the channel's exclusive advisory lock, then its row. Raises: LQ005.
 CREATE OR REPLACE FUNCTION channel_policy_clear(p_channel TEXT) RETURNS VOID
 LANGUAGE plpgsql
@@ -75,6 +77,7 @@ DECLARE
 BEGIN
     PERFORM arg_check_channel(p_channel);
     PERFORM pg_advisory_xact_lock(channel_key(p_channel));
+    DELETE FROM channel_pause p WHERE p.name = p_channel;
     SELECT * INTO v_channel FROM channel c WHERE c.name = p_channel FOR UPDATE;
     IF NOT FOUND OR NOT v_channel.has_policy THEN
         RETURN;
@@ -92,6 +95,63 @@ BEGIN
         channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
             v_channel.max_concurrency),
         v_next_at, 'ready', NULL, p_channel);
+END;
+$$;
+
+
+-- channel_pause(): stop serving a channel (max_concurrency 0, its other limits kept),
+-- remembering its concurrency limit for channel_resume. A paused channel is left as it is.
+-- Locks: the channel's exclusive advisory lock, then its row (as channel_policy_set).
+-- Raises: LQ005.
+CREATE OR REPLACE FUNCTION channel_pause(p_channel TEXT) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_channel channel;
+BEGIN
+    PERFORM arg_check_channel(p_channel);
+    PERFORM pg_advisory_xact_lock(channel_key(p_channel));
+    SELECT * INTO v_channel FROM channel c WHERE c.name = p_channel FOR UPDATE;
+    IF v_channel.max_concurrency = 0 THEN
+        RETURN;
+    END IF;
+    PERFORM channel_policy_set(p_channel, 0, v_channel.release_interval_ms, v_channel.max_size);
+    INSERT INTO channel_pause (name, max_concurrency, paused_at)
+    VALUES (p_channel, v_channel.max_concurrency, epoch());
+END;
+$$;
+
+
+-- channel_resume(): serve a paused channel again, with the concurrency limit channel_pause
+-- remembered (none when it was paused otherwise), its other limits kept; a channel left with
+-- no limit at all loses its policy. A channel that is not paused is left as it is.
+-- Locks: the channel's exclusive advisory lock, then its row (as channel_policy_set).
+-- Raises: LQ005.
+CREATE OR REPLACE FUNCTION channel_resume(p_channel TEXT) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_channel channel;
+    v_limit INTEGER;
+BEGIN
+    PERFORM arg_check_channel(p_channel);
+    PERFORM pg_advisory_xact_lock(channel_key(p_channel));
+    SELECT * INTO v_channel FROM channel c WHERE c.name = p_channel FOR UPDATE;
+    IF v_channel.max_concurrency IS DISTINCT FROM 0 THEN
+        RETURN;
+    END IF;
+    SELECT p.max_concurrency INTO v_limit FROM channel_pause p WHERE p.name = p_channel;
+    IF v_limit IS NULL AND v_channel.release_interval_ms IS NULL
+            AND v_channel.max_size IS NULL THEN
+        PERFORM channel_policy_clear(p_channel);
+    ELSE
+        PERFORM channel_policy_set(p_channel, v_limit, v_channel.release_interval_ms,
+            v_channel.max_size);
+    END IF;
 END;
 $$;
 

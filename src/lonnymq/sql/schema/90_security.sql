@@ -40,23 +40,28 @@ AS $$
             -- Worker(until_idle) and its metrics; a Spark streaming read consumes too (and
             -- reads the largest message id, its horizon, with spark_scan_bounds, what it
             -- waits for under Trigger.AvailableNow with spark_batch_waiting, and claims its
-            -- consumer for its checkpoint with spark_consumer_claim).
+            -- consumer for its checkpoint with spark_consumer_claim); a Worker reports itself
+            -- once a heartbeat round (worker_report, worker_stopped).
             ARRAY['message_dequeue', 'message_dequeue_many', 'message_complete_and_dequeue',
                   'message_settle',
                   'message_heartbeat', 'message_heartbeat_many', 'message_delete',
                   'message_delete_many', 'message_defer', 'message_defer_many', 'channel_stats',
                   'spark_consumer_lock', 'spark_batch_plan', 'spark_batch_ack',
                   'spark_batch_release', 'spark_batch_heartbeat', 'spark_batch_read',
-                  'spark_scan_bounds', 'spark_batch_waiting', 'spark_consumer_claim']
+                  'spark_scan_bounds', 'spark_batch_waiting', 'spark_consumer_claim',
+                  'worker_report', 'worker_stopped']
         ELSE ARRAY[]::TEXT[] END
         || CASE WHEN p_kind = 'admin' THEN
             -- admin: policies, settings, schedules, the archive, checks, raw scans, the clock,
-            -- the dashboard's reads (they show messages' content).
+            -- the dashboard's reads (they show messages' content) and its actions on waiting
+            -- messages.
             ARRAY['channel_policy_set', 'channel_policy_clear', 'config_set', 'clock_offset_set',
                   'queue_verify', 'schedule_set', 'schedule_list', 'schedule_remove',
                   'archive_list', 'archive_replay', 'spark_stage_purge', 'spark_message_scan',
                   'spark_archive_scan', 'dashboard_overview', 'dashboard_channels',
-                  'dashboard_channel_messages']
+                  'dashboard_channel_messages', 'dashboard_archive', 'message_discard',
+                  'message_expedite', 'channel_pause', 'channel_resume', 'dashboard_schedules',
+                  'dashboard_workers']
         ELSE ARRAY[]::TEXT[] END
     END
 $$;

@@ -1,6 +1,7 @@
 -- The dashboard's reads: what `lonnymq dashboard` shows, each a bounded index walk so that a
 -- queue of 10^6 messages in 10^5 channels renders a page quickly. They change nothing; the
--- dashboard's actions call the queue's own functions (channel_policy_set, archive_replay...).
+-- dashboard's actions call the queue's own functions (channel_policy_set, archive_replay, and
+-- those of 65_waiting.sql).
 -- Rates are not stored: the dashboard samples the counters below and divides by the time
 -- between two samples, so no message pays a row write for them.
 
@@ -10,7 +11,8 @@
 -- (the queue's lag, in ms; NULL when nothing is due), the message table's deleted-row counter
 -- (every finished message is a delete: its growth over time is the finish rate; PostgreSQL
 -- publishes a backend's counts at its transaction ends, at most about once a second) and the
--- failures archived in the last p_window_ms (0 when the archive is off), with the clock.
+-- failures archived in the last p_window_ms (not the messages an operator discarded; 0 when
+-- the archive is off), with the clock.
 -- Locks: none. Raises: LQ003 (p_window_ms outside 1..3600000).
 CREATE OR REPLACE FUNCTION dashboard_overview(p_window_ms BIGINT DEFAULT 10000)
 RETURNS TABLE (
@@ -50,7 +52,8 @@ BEGIN
     failed_recent := 0;
     IF archive THEN
         SELECT count(*) INTO failed_recent FROM archive a
-            WHERE a.finished_at > v_now - p_window_ms AND a.outcome <> 'completed';
+            WHERE a.finished_at > v_now - p_window_ms
+              AND a.outcome NOT IN ('completed', 'discarded');
     END IF;
     RETURN NEXT;
 END;
@@ -193,5 +196,163 @@ BEGIN
             ORDER BY m.dequeue_at, m.id
             LIMIT p_limit;
     END IF;
+END;
+$$;
+
+
+-- dashboard_archive(): one page of the archive, newest first, for keyset paging (ids below
+-- p_before_id). By default (p_outcome NULL) the messages that did not complete, read from
+-- archive_failed_ix, which stays small however large the archive grows; p_outcome keeps one
+-- outcome, p_channel one channel. A call walks at most p_scan_cap archived rows, so that a
+-- filter few of them match still answers quickly: then, and when the page is full, a last row
+-- with id NULL says in next_before where the next page starts. Each row carries its error (the
+-- traceback, type and message a worker kept), of which a longer one than p_error_chars
+-- characters keeps its start and its end (where the exception is) around a line '…', and the
+-- first p_preview_bytes bytes of its content, with their full lengths.
+-- Locks: none. Raises: LQ003 (limit outside 1..1000, scan cap outside 1..1000000, preview
+-- outside 0..65536, error_chars outside 0..1000000, outcome over 64 characters), LQ005.
+CREATE OR REPLACE FUNCTION dashboard_archive(
+    p_outcome TEXT DEFAULT NULL, p_channel TEXT DEFAULT NULL, p_before_id BIGINT DEFAULT NULL,
+    p_limit INTEGER DEFAULT 50, p_scan_cap INTEGER DEFAULT 10000,
+    p_preview_bytes INTEGER DEFAULT 200, p_error_chars INTEGER DEFAULT 65536
+) RETURNS TABLE (
+    id BIGINT, channel TEXT, outcome TEXT, num_attempts INTEGER, created_at BIGINT,
+    finished_at BIGINT, error TEXT, error_length INTEGER, content_preview BYTEA,
+    content_length INTEGER, replayed_as BIGINT, next_before BIGINT
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    -- Below every id: the walk's start is always an index bound, whatever the plan.
+    v_before BIGINT := coalesce(p_before_id, 9223372036854775807);
+    v_ids BIGINT[];
+    v_next BIGINT;
+BEGIN
+    PERFORM arg_check(p_limit BETWEEN 1 AND 1000,
+        format('limit must be between 1 and 1000, got %s', coalesce(p_limit::TEXT, 'NULL')));
+    PERFORM arg_check(p_scan_cap BETWEEN 1 AND 1000000,
+        format('scan_cap must be between 1 and 1000000, got %s',
+            coalesce(p_scan_cap::TEXT, 'NULL')));
+    PERFORM arg_check(p_preview_bytes BETWEEN 0 AND 65536,
+        format('preview_bytes must be between 0 and 65536, got %s',
+            coalesce(p_preview_bytes::TEXT, 'NULL')));
+    PERFORM arg_check(p_error_chars BETWEEN 0 AND 1000000,
+        format('error_chars must be between 0 and 1000000, got %s',
+            coalesce(p_error_chars::TEXT, 'NULL')));
+    PERFORM arg_check(p_outcome IS NULL OR char_length(p_outcome) BETWEEN 1 AND 64,
+        'outcome must be 1 to 64 characters');
+    IF p_channel IS NOT NULL THEN
+        PERFORM arg_check_channel(p_channel);
+    END IF;
+    IF p_outcome IS DISTINCT FROM 'completed' THEN
+        v_ids := ARRAY(
+            SELECT s.id FROM (
+                SELECT a.id, a.outcome, a.channel FROM archive a
+                WHERE a.outcome <> 'completed' AND a.id < v_before
+                ORDER BY a.id DESC LIMIT p_scan_cap) s
+            WHERE (p_outcome IS NULL OR s.outcome = p_outcome)
+              AND (p_channel IS NULL OR s.channel = p_channel)
+            ORDER BY s.id DESC LIMIT p_limit + 1);
+        IF cardinality(v_ids) <= p_limit THEN
+            v_next := (SELECT a.id FROM archive a
+                       WHERE a.outcome <> 'completed' AND a.id < v_before
+                       ORDER BY a.id DESC OFFSET p_scan_cap LIMIT 1) + 1;
+        END IF;
+    ELSE
+        v_ids := ARRAY(
+            SELECT s.id FROM (
+                SELECT a.id, a.outcome, a.channel FROM archive a
+                WHERE a.id < v_before
+                ORDER BY a.id DESC LIMIT p_scan_cap) s
+            WHERE s.outcome = 'completed' AND (p_channel IS NULL OR s.channel = p_channel)
+            ORDER BY s.id DESC LIMIT p_limit + 1);
+        IF cardinality(v_ids) <= p_limit THEN
+            v_next := (SELECT a.id FROM archive a WHERE a.id < v_before
+                       ORDER BY a.id DESC OFFSET p_scan_cap LIMIT 1) + 1;
+        END IF;
+    END IF;
+    IF cardinality(v_ids) > p_limit THEN
+        v_next := v_ids[p_limit];
+    END IF;
+    RETURN QUERY
+        SELECT a.id, a.channel, a.outcome, a.num_attempts, a.created_at, a.finished_at,
+               CASE WHEN char_length(a.error) <= p_error_chars THEN a.error
+                    ELSE left(a.error, p_error_chars / 2) || E'\n…\n'
+                         || right(a.error, p_error_chars - p_error_chars / 2) END,
+               char_length(a.error),
+               substring(a.content FROM 1 FOR p_preview_bytes), octet_length(a.content),
+               a.replayed_as, NULL::BIGINT
+        FROM unnest(v_ids[1:p_limit]) WITH ORDINALITY AS u(id, ord)
+        JOIN archive a ON a.id = u.id
+        ORDER BY u.ord;
+    IF v_next IS NOT NULL THEN
+        RETURN QUERY SELECT NULL::BIGINT, NULL::TEXT, NULL::TEXT, NULL::INTEGER, NULL::BIGINT,
+            NULL::BIGINT, NULL::TEXT, NULL::INTEGER, NULL::BYTEA, NULL::INTEGER, NULL::BIGINT,
+            v_next;
+    END IF;
+END;
+$$;
+
+
+-- dashboard_schedules(): one page of schedules by name, after p_after_name (keyset paging over
+-- message_dedup_ux: a schedule is the driver message of lonnymq.schedules keyed by its name),
+-- with each driver's spec (NULL when it is longer than p_spec_bytes: the spec holds the
+-- content the schedule creates), its length, its next time, its state (the last firing's
+-- time, as the package writes it) and whether a worker holds it now.
+-- Locks: none. Raises: LQ003 (limit outside 1..1000, spec_bytes outside 0..67108864).
+CREATE OR REPLACE FUNCTION dashboard_schedules(
+    p_after_name TEXT DEFAULT NULL, p_limit INTEGER DEFAULT 50,
+    p_spec_bytes INTEGER DEFAULT 1048576
+) RETURNS TABLE (
+    name TEXT, spec BYTEA, spec_length INTEGER, next_at BIGINT, state BYTEA, is_locked BOOLEAN
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
+AS $$
+BEGIN
+    PERFORM arg_check(p_limit BETWEEN 1 AND 1000,
+        format('limit must be between 1 and 1000, got %s', coalesce(p_limit::TEXT, 'NULL')));
+    PERFORM arg_check(p_spec_bytes BETWEEN 0 AND 67108864,
+        format('spec_bytes must be between 0 and 67108864, got %s',
+            coalesce(p_spec_bytes::TEXT, 'NULL')));
+    RETURN QUERY SELECT m.dedup_key,
+            CASE WHEN octet_length(m.content) <= p_spec_bytes THEN m.content END,
+            octet_length(m.content), m.dequeue_at, m.state, m.is_locked
+        FROM message m
+        WHERE m.channel = 'lonnymq.schedules' AND m.dedup_key IS NOT NULL
+          -- Every name is longer than '': the bound is an index bound, whatever the plan.
+          AND m.dedup_key > coalesce(p_after_name, '')
+        ORDER BY m.dedup_key
+        LIMIT p_limit;
+END;
+$$;
+
+
+-- dashboard_workers(): the workers that reported in the last hour (the table keeps no
+-- others), the longest running first, at most p_limit, with what each runs now and the clock
+-- (a worker whose last report is more than a few of its rounds old has died).
+-- Locks: none. Raises: LQ003 (limit outside 1..10000).
+CREATE OR REPLACE FUNCTION dashboard_workers(p_limit INTEGER DEFAULT 1000)
+RETURNS TABLE (
+    id TEXT, host TEXT, pid INTEGER, started_at BIGINT, seen_at BIGINT, every_ms BIGINT,
+    concurrency INTEGER, running INTEGER, message_ids BIGINT[], channels TEXT[],
+    stopped_at BIGINT, now_ms BIGINT
+)
+LANGUAGE plpgsql STABLE
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+BEGIN
+    PERFORM arg_check(p_limit BETWEEN 1 AND 10000,
+        format('limit must be between 1 and 10000, got %s', coalesce(p_limit::TEXT, 'NULL')));
+    RETURN QUERY SELECT w.id, w.host, w.pid, w.started_at, w.seen_at, w.every_ms,
+            w.concurrency, w.running, w.message_ids, w.channels, w.stopped_at, epoch()
+        FROM worker w
+        ORDER BY w.started_at, w.id
+        LIMIT p_limit;
 END;
 $$;

@@ -1,0 +1,74 @@
+-- Workers' reports of themselves: who runs, where, how wide, and what it runs now. A worker
+-- calls worker_report once a heartbeat round and worker_stopped when its run ends; the
+-- dashboard reads the table (dashboard_workers). Nothing here is written per message.
+
+
+-- worker_report(): upsert worker p_id's row: its host and pid, how often it reports
+-- (p_every_ms), its concurrency, the handlers it runs now (p_running) and the ids and channels
+-- of up to 100 of them; a row already marked stopped is left as it is. Then delete the rows
+-- of workers not seen for an hour (died, or stopped long ago).
+-- Locks: the worker's row; the rows it deletes. Raises: LQ003 (an id of 1 to 64 characters,
+-- a host of at most 255, a pid, concurrency and count in range, arrays of the same length,
+-- at most 100, without NULLs), LQ005 (a bad channel name).
+CREATE OR REPLACE FUNCTION worker_report(
+    p_id TEXT, p_host TEXT, p_pid INTEGER, p_every_ms BIGINT, p_concurrency INTEGER,
+    p_running INTEGER, p_message_ids BIGINT[], p_channels TEXT[]
+) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_now BIGINT := epoch();
+BEGIN
+    PERFORM arg_check(char_length(p_id) BETWEEN 1 AND 64, 'worker id must be 1 to 64 characters');
+    PERFORM arg_check(char_length(p_host) <= 255, 'host must be at most 255 characters');
+    PERFORM arg_check(p_pid >= 0, format('pid must be 0 or more, got %s',
+        coalesce(p_pid::TEXT, 'NULL')));
+    PERFORM arg_check(p_every_ms BETWEEN 1 AND 86400000,
+        format('every_ms must be between 1 and 86400000, got %s',
+            coalesce(p_every_ms::TEXT, 'NULL')));
+    PERFORM arg_check(p_concurrency BETWEEN 1 AND 1000000,
+        format('concurrency must be between 1 and 1000000, got %s',
+            coalesce(p_concurrency::TEXT, 'NULL')));
+    PERFORM arg_check(p_running BETWEEN 0 AND 1000000,
+        format('running must be between 0 and 1000000, got %s',
+            coalesce(p_running::TEXT, 'NULL')));
+    PERFORM arg_check(
+        coalesce(cardinality(p_message_ids), -1) BETWEEN 0 AND 100
+            AND cardinality(p_channels) = cardinality(p_message_ids)
+            AND array_position(p_message_ids, NULL) IS NULL,
+        'message_ids and channels must be arrays of the same length, at most 100, no NULL');
+    PERFORM arg_check_channel(c) FROM unnest(p_channels) AS c;
+    INSERT INTO worker AS w (id, host, pid, started_at, seen_at, every_ms, concurrency, running,
+                             message_ids, channels)
+    VALUES (p_id, p_host, p_pid, v_now, v_now, p_every_ms, p_concurrency, p_running,
+            p_message_ids, p_channels)
+    ON CONFLICT (id) DO UPDATE SET
+        host = excluded.host, pid = excluded.pid, seen_at = excluded.seen_at,
+        every_ms = excluded.every_ms, concurrency = excluded.concurrency,
+        running = excluded.running, message_ids = excluded.message_ids,
+        channels = excluded.channels
+    WHERE w.stopped_at IS NULL;
+    DELETE FROM worker w WHERE w.seen_at < v_now - 3600000;
+END;
+$$;
+
+
+-- worker_stopped(): mark worker p_id's row stopped (nothing running); a report that comes
+-- later leaves it so.
+-- Locks: the worker's row. Raises: LQ003 (a bad id).
+CREATE OR REPLACE FUNCTION worker_stopped(p_id TEXT) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_now BIGINT := epoch();
+BEGIN
+    PERFORM arg_check(char_length(p_id) BETWEEN 1 AND 64, 'worker id must be 1 to 64 characters');
+    UPDATE worker w SET stopped_at = v_now, seen_at = v_now, running = 0,
+        message_ids = '{}', channels = '{}'
+    WHERE w.id = p_id;
+END;
+$$;
