@@ -3,13 +3,9 @@ with its own event loop and AsyncQueue), and one headless Chromium for the test 
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import shutil
-import socket
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,10 +13,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("starlette", reason="the dashboard extra is not installed")
-import uvicorn
-
-from lonnymq import AsyncQueue, Queue
-from lonnymq.dashboard import app
+from lonnymq import Queue
+from lonnymq.dashboard._serve import Background
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -36,52 +30,16 @@ CHROMIUM_FLAGS = (
     "--disable-sync",
     "--window-size=1280,900",
 )
-START_TIMEOUT_S = 30.0
 # The docs' screenshots: rewritten only when asked (LONNYMQ_DOCS_SCREENSHOTS=1), so that a test
 # run leaves the checkout as it found it; otherwise each is still taken and checked.
 IMAGES = Path(__file__).resolve().parents[2] / "docs" / "images"
 
 
-class Served:
+class Served(Background):
     """``app(queue, **options)`` served on 127.0.0.1 until ``close()``."""
 
     def __init__(self, dsn: str, schema: str, wrap: Callable[[Any], Any] | None, **options: Any):
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}/"
-        self._server: uvicorn.Server | None = None
-        self._failure: BaseException | None = None
-
-        async def main() -> None:
-            async with AsyncQueue(dsn, schema=schema, pool_size=2) as queue:
-                application = app(queue, **options)
-                if wrap is not None:
-                    application = wrap(application)
-                config = uvicorn.Config(application, log_level="warning", lifespan="off")
-                self._server = uvicorn.Server(config)
-                await self._server.serve(sockets=[self._listener])
-
-        def run() -> None:
-            try:
-                asyncio.run(main())
-            except BaseException as err:
-                self._failure = err
-
-        self._thread = threading.Thread(target=run, name="dashboard", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (self._server is not None and self._server.started):
-            assert self._thread.is_alive(), f"the dashboard did not start: {self._failure!r}"
-            assert time.monotonic() < deadline, "the dashboard did not start in time"
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        self._thread.join(timeout=START_TIMEOUT_S)
-        self._listener.close()
-        assert not self._thread.is_alive()
-        assert self._failure is None, self._failure
+        super().__init__(dsn, [schema], wrap=wrap, **options)
 
 
 def get(served: Served, path: str) -> tuple[int, str]:

@@ -43,10 +43,12 @@ async def serve(
     *,
     read_only: bool = False,
     token: str | None = None,
+    wrap: Callable[[ASGIApp], ASGIApp] | None = None,
     started: Callable[[uvicorn.Server], None] | None = None,
 ) -> None:
     """Serve the dashboard of each schema on ``listener`` until the server is told to exit:
     one schema at the root, several each under ``/<schema>/`` (the root leads to the first).
+    ``wrap`` builds the application served around the dashboard's (to mount it elsewhere);
     ``started`` is given the server before it serves, to stop it from another thread."""
     async with AsyncExitStack() as stack:
         queues = [
@@ -72,6 +74,8 @@ async def serve(
                     ),
                 ]
             )
+        if wrap is not None:
+            application = wrap(application)
         server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="off"))
         if started is not None:
             started(server)
@@ -80,7 +84,8 @@ async def serve(
 
 class Background:
     """The dashboards of ``schemas`` served on ``host``:``port`` by a thread of this process,
-    until :meth:`close`; :attr:`url` is where to open them."""
+    until :meth:`close`; :attr:`url` is where to open them (:attr:`port` is the port given, or
+    the one chosen for 0). The other options are :func:`serve`'s."""
 
     def __init__(
         self,
@@ -90,9 +95,12 @@ class Background:
         host: str = "127.0.0.1",
         port: int = 0,
         read_only: bool = False,
+        token: str | None = None,
+        wrap: Callable[[ASGIApp], ASGIApp] | None = None,
     ) -> None:
         self._listener = listen(host, port)
         self.url = url_of(self._listener)
+        self.port: int = self._listener.getsockname()[1]
         self._server: uvicorn.Server | None = None
         self._failure: BaseException | None = None
 
@@ -102,7 +110,15 @@ class Background:
         def run() -> None:
             try:
                 asyncio.run(
-                    serve(self._listener, dsn, schemas, read_only=read_only, started=started)
+                    serve(
+                        self._listener,
+                        dsn,
+                        schemas,
+                        read_only=read_only,
+                        token=token,
+                        wrap=wrap,
+                        started=started,
+                    )
                 )
             except BaseException as err:  # reported by close() and the start
                 self._failure = err
@@ -117,8 +133,12 @@ class Background:
             time.sleep(0.01)
 
     def close(self) -> None:
-        """Stop serving and wait for the thread to end."""
+        """Stop serving and wait for the thread to end; raise what made it fail, if anything."""
         if self._server is not None:
             self._server.should_exit = True
         self._thread.join(timeout=START_TIMEOUT_S)
         self._listener.close()
+        if self._thread.is_alive():
+            raise LonnyMQError("the dashboard did not stop in time")
+        if self._failure is not None:
+            raise LonnyMQError(f"the dashboard failed: {self._failure!r}") from self._failure
