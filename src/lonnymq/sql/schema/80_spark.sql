@@ -412,18 +412,6 @@ AS $$
 $$;
 
 
--- spark_batch_release(): give back the messages of p_consumer's batches after p_batch_no:
--- batches it planned that Spark never recorded (the driver died in between); see
--- spark_batch_close. Returns how many were given back.
--- Locks: as message_defer_many. Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION spark_batch_release(p_consumer TEXT, p_batch_no BIGINT) RETURNS BIGINT
-LANGUAGE sql
-SET search_path FROM CURRENT
-AS $$
-    SELECT spark_batch_close(p_consumer, p_batch_no, FALSE)
-$$;
-
-
 -- spark_batch_plan(): plan p_consumer's micro-batch after batch p_start. In one transaction:
 -- finish batches <= p_start (Spark asks for the next batch only once the previous one is in
 -- its commit log), give back orphan batches > p_start, then lock up to p_limit messages for
@@ -466,7 +454,7 @@ BEGIN
     v_deadline := clock_timestamp() + (p_lock_ms / 4) * INTERVAL '1 millisecond';
 
     acked := spark_batch_ack(p_consumer, p_start);
-    released := spark_batch_release(p_consumer, p_start);
+    released := spark_batch_close(p_consumer, p_start, FALSE);
 
     LOOP
         v_asked := least(p_limit - v_taken, 10000, 10000 - cardinality(v_late));

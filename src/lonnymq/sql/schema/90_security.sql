@@ -47,7 +47,7 @@ AS $$
                   'message_heartbeat', 'message_heartbeat_many', 'message_delete',
                   'message_delete_many', 'message_defer', 'message_defer_many', 'channel_stats',
                   'spark_consumer_lock', 'spark_batch_plan', 'spark_batch_ack',
-                  'spark_batch_release', 'spark_batch_heartbeat', 'spark_batch_read',
+                  'spark_batch_heartbeat', 'spark_batch_read',
                   'spark_scan_bounds', 'spark_batch_waiting', 'spark_consumer_claim',
                   'worker_report', 'worker_stopped']
         ELSE ARRAY[]::TEXT[] END
