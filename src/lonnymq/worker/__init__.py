@@ -512,8 +512,9 @@ class Worker:
             # eat into the lock's margin); connected again at a round when this fails.
             with contextlib.suppress(psycopg.Error):
                 conn = psycopg.connect(self.queue.dsn, autocommit=True)
-            self._report(conn)
             while True:
+                # Reported between rounds, never between a round's start and its renewals.
+                self._report(conn)
                 wait = max(0.0, next_round - time.monotonic())
                 if self._stopping.is_set():
                     # Keep renewing during the grace period, until the last handler is done.
@@ -524,7 +525,6 @@ class Worker:
                 else:
                     self._stopping.wait(wait)
                 next_round = max(next_round + period, time.monotonic())
-                self._report(conn)
                 with self._lock:
                     tasks = [
                         t

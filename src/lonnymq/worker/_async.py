@@ -445,11 +445,11 @@ class AsyncWorker:
             # eat into the lock's margin); connected again at a round when this fails.
             with contextlib.suppress(psycopg.Error):
                 conn = await psycopg.AsyncConnection.connect(self.queue.dsn, autocommit=True)
-            await self._report(conn)
             while True:
+                # Reported between rounds, never between a round's start and its renewals.
+                await self._report(conn)
                 await asyncio.sleep(max(0.0, next_round - time.monotonic()))
                 next_round = max(next_round + period, time.monotonic())
-                await self._report(conn)
                 runs = [r for r in self._running if not (r.lost or r.abandoned or r.giving_back)]
                 if not runs:
                     continue
