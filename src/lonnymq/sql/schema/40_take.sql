@@ -26,8 +26,8 @@
 -- message_recover(): lock again for p_lock_ms, at the clock p_now, the message whose lock
 -- expired first (its holder is gone; its channel slot was never released, so the channel is
 -- not touched), counting an attempt; or, when none has, return no message (its fields all
--- NULL) and close the lock gate for a second (lock_gate_seq and lock_sweep_seq, in the
--- migrations, say what they hold).
+-- NULL) and close the lock gate for a second (what the sequences lock_gate_seq and
+-- lock_sweep_seq hold is said where they are created).
 -- p_gate: the gate as the caller read it. The probe starts 5 s before the last look that found
 -- nothing (what had expired by then was found then), or at the gate when that is earlier (a
 -- lock set since that expires before: the clock moved back), so that its cost does not grow
