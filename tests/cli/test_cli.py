@@ -10,6 +10,7 @@ import queue
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -266,6 +267,15 @@ def test_demo_refuses_a_tiny_dataset(dsn: str) -> None:
     result = _run(dsn, "demo", "--rows", "10")
     assert result.returncode == 1
     assert "--rows must be >= 100" in result.stderr
+
+
+def test_dashboard_refuses_a_port_in_use(dsn: str) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = _run(dsn, "dashboard", "--port", str(port))
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_demo_refuses_a_dashboard_port_out_of_range(dsn: str) -> None:

@@ -17,7 +17,7 @@ from starlette.responses import RedirectResponse
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp
 
-from ..errors import LonnyMQError
+from ..errors import InvalidArgumentError, LonnyMQError
 from ..queue_async import AsyncQueue
 from ._app import app
 
@@ -25,8 +25,14 @@ START_TIMEOUT_S = 30.0
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host``:``port`` (0: any free port)."""
-    return socket.create_server((host, port))
+    """A listening socket on ``host``:``port`` (0: any free port); InvalidArgumentError when
+    that address cannot be had (in use, or not this machine's)."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as err:
+        raise InvalidArgumentError(
+            f"cannot listen on {host}:{port} ({err.strerror or err}): choose another port or host"
+        ) from err
 
 
 def url_of(listener: socket.socket) -> str:
