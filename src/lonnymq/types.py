@@ -145,7 +145,8 @@ class Discrepancy:
     """One inconsistency ``verify()`` found between a channel's row and its messages.
 
     ``kind`` names the check (``size_mismatch``, ``in_flight_mismatch``, ``channel_missing``,
-    ``head_unscheduled``, ``head_late``, ``orphan_channel``, ``stray_policy``, ``bad_lock``);
+    ``head_unscheduled``, ``head_late``, ``head_hidden``, ``orphan_channel``, ``stray_policy``,
+    ``bad_lock``);
     ``expected`` and ``actual`` are the values it compared (``None`` where there is none);
     ``detail`` says it in a sentence.
     """

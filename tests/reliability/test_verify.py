@@ -187,6 +187,18 @@ CORRUPTIONS = {
         "pol",
         "head_late",
     ),
+    "free-head-hidden": Corruption(
+        _setup_free,
+        "UPDATE {s}.channel SET head_at = 9000000000000000 WHERE name = 'free'",
+        "free",
+        "head_hidden",
+    ),
+    "policy-head-hidden": Corruption(
+        _setup_policy,
+        "UPDATE {s}.channel SET head_at = 9000000000000000 WHERE name = 'pol'",
+        "pol",
+        "head_hidden",
+    ),
     "orphan": Corruption(
         _setup_free, "INSERT INTO {s}.channel (name) VALUES ('ghost')", "ghost", "orphan_channel"
     ),

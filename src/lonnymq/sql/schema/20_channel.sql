@@ -18,6 +18,24 @@
 -- fails, the dequeue pushes the time at most 10 ms ahead (a message created meanwhile is then
 -- served at most that much later, never lost). Setting a policy waits for the exclusive lock,
 -- so in-flight operations finish before it counts the channel's messages.
+--
+-- Where the waiting messages begin: no waiting message of a channel sorts before its row's
+-- (head_at, head_id) in (dequeue_at, id) order, so every probe for a channel's head starts
+-- there, not at the low end of message_channel_head_ix, where the entries of the messages
+-- taken before stay until VACUUM removes them (and while a long transaction holds back the
+-- horizon, it cannot). Two rules keep it true:
+-- - A writer that makes a message wait (create, defer, give back, expedite, a schedule's new
+--   time) reads the row after taking the channel's shared advisory lock (or its row) and,
+--   when the message sorts before (head_at, head_id), brings them down to it in the same
+--   transaction (a policy-free channel's row is otherwise left alone).
+-- - Only a take that holds the row and the channel's exclusive advisory lock moves them up
+--   (channel_head_advance, in a worker's message_settle): with that lock no such writer is in
+--   flight (each holds the shared lock or waits for the row), so a statement run after it
+--   sees every waiting message. It
+--   reads messages that riders have locked but not committed as waiting, so a rider that
+--   rolls back leaves nothing behind the head.
+-- A probe reads (head_at, head_id) from the row it holds, or in the same statement (the same
+-- snapshot) as the messages.
 
 
 -- channel_key(): the advisory lock key of a channel of this schema: hashtextextended of the
@@ -64,20 +82,67 @@ END;
 $$;
 
 
+-- channel_first(): the first waiting message of a channel in (dequeue_at, id) order (no row
+-- when none waits, or when the channel has no row), read from where its row says its waiting
+-- messages begin, in one snapshot with that row. One probe of message_channel_head_ix.
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_first(p_channel TEXT)
+RETURNS TABLE (dequeue_at BIGINT, id BIGINT)
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
+AS $$
+    SELECT m.dequeue_at, m.id
+    FROM channel c
+    CROSS JOIN LATERAL (
+        SELECT x.dequeue_at, x.id FROM message x
+        WHERE x.channel = c.name AND NOT x.is_locked
+          AND (x.dequeue_at, x.id) >= (c.head_at, c.head_id)
+        ORDER BY x.dequeue_at, x.id
+        LIMIT 1) m
+    WHERE c.name = p_channel
+$$;
+
+
 -- channel_next_at(): when the channel's head may next leave, given the earliest time the
--- release interval allows; NULL when nothing waits. One probe of message_channel_head_ix.
+-- release interval allows; NULL when nothing waits.
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_next_at(p_channel TEXT, p_release_at BIGINT) RETURNS BIGINT
-LANGUAGE plpgsql STABLE
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
+AS $$
+    SELECT greatest(f.dequeue_at, p_release_at) FROM channel_first(p_channel) f
+$$;
+
+
+-- channel_head_advance(): after a take from channel p_row (the row as the caller holds it,
+-- locked), move where its waiting messages begin up to its first waiting message. Only in a
+-- take of message_settle (a worker's group commit, which ends its transaction at once): the
+-- exclusive advisory lock it takes is held to commit, and while it is, riders pass the
+-- channel and creators in it wait, so a dequeue in a long transaction of its own never takes
+-- it. Only when 1,000 ids or more were drawn since the row's mark was set (so that a probe's
+-- walk over the entries of the messages taken since stays short, while the lock is tried
+-- rarely), only in a READ COMMITTED transaction (the statement that reads the first message
+-- must see what committed before the lock), and only when that lock can be had at once (the
+-- rules at the top of this file). When nothing waits, the mark stays.
+-- Locks: tries the channel's exclusive advisory lock, held to commit when granted.
+-- Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_head_advance(p_row channel) RETURNS VOID
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$
 BEGIN
-    RETURN (SELECT greatest(m.dequeue_at, p_release_at)
-        FROM message m
-        WHERE m.channel = p_channel AND NOT m.is_locked
-        ORDER BY m.dequeue_at, m.id
-        LIMIT 1);
+    IF (SELECT s.last_value FROM message_id_seq s) - p_row.head_id < 1000
+       OR current_setting('lonnymq.head_advance', TRUE) IS DISTINCT FROM 'on'
+       OR current_setting('transaction_isolation') <> 'read committed'
+       OR NOT pg_try_advisory_xact_lock(channel_key(p_row.name)) THEN
+        RETURN;
+    END IF;
+    UPDATE channel c SET head_at = f.dequeue_at, head_id = f.id
+    FROM channel_first(p_row.name) f
+    WHERE c.name = p_row.name;
 END;
 $$;
 
@@ -116,16 +181,19 @@ $$;
 
 
 -- channel_wake(): make a policy-free channel due no later than p_at (a single create's and a
--- defer's way), announcing it when that is sooner. The row is written only while it is later
--- than the message and than the clock now plus 10 ms: a due row is what every dequeue takes
--- (SKIP LOCKED), and locking one would make the creator wait behind one dequeue after another.
--- A missing row is made under the channel's creation lock (an advisory lock), after
--- looking again, so a row another session made meanwhile is never inserted over (an upsert
--- would lock it before testing it).
--- Locks: the channel's row when it is moved forward; the creation lock when the row is made.
+-- defer's way), announcing it when that is sooner, for message p_id that now waits at p_at.
+-- The row is written only while it is later than the message and than the clock now plus
+-- 10 ms (a due row is what every dequeue takes, SKIP LOCKED, and locking one would make the
+-- creator wait behind one dequeue after another), or when the message sorts before where the
+-- row says its waiting messages begin (the rules at the top of this file). p_seen, p_seen_row:
+-- whether the caller found the row and the row as it read it, holding the channel's shared
+-- advisory lock. A missing row is made under the channel's creation lock (an advisory lock),
+-- after looking again, so a row another session made meanwhile is never inserted over (an
+-- upsert would lock it before testing it).
+-- Locks: the channel's row when it is written; the creation lock when the row is made.
 -- Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_wake(
-    p_channel TEXT, p_at BIGINT, p_seen BOOLEAN, p_seen_next BIGINT, p_type TEXT, p_id BIGINT
+    p_channel TEXT, p_at BIGINT, p_seen BOOLEAN, p_seen_row channel, p_type TEXT, p_id BIGINT
 ) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
@@ -133,46 +201,66 @@ SET enable_seqscan = off SET jit = off
 AS $$
 DECLARE
     v_found BOOLEAN := p_seen;
-    v_next BIGINT := p_seen_next;
+    v_next BIGINT := p_seen_row.next_dequeue_at;
+    v_below BOOLEAN := (p_at, p_id) < (p_seen_row.head_at, p_seen_row.head_id);
+    v_after BIGINT;
     v_clock BIGINT;
 BEGIN
-    IF v_found AND v_next <= p_at THEN
+    IF v_found AND v_next <= p_at AND NOT v_below THEN
         RETURN;
     END IF;
     IF NOT v_found THEN
         -- Missing as the caller saw it: made by one creator at a time, each looking again
         -- (as committed now) once it holds the channel's creation lock, so a row another
-        -- session made meanwhile is not inserted over.
+        -- session made meanwhile is not inserted over. Nothing else waits in a channel
+        -- without a row, so its waiting messages begin at this one.
         PERFORM pg_advisory_xact_lock(channel_key(p_channel) # 1);
-        INSERT INTO channel AS c (name, next_dequeue_at)
-        SELECT p_channel, p_at
+        INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
+        SELECT p_channel, p_at, p_at, p_id
         WHERE NOT EXISTS (SELECT FROM channel x WHERE x.name = p_channel)
         ON CONFLICT (name) DO NOTHING;
         IF FOUND THEN
             PERFORM channel_announce(NULL, p_at, p_type, p_id, p_channel);
             RETURN;
         END IF;
-        SELECT c.next_dequeue_at INTO v_next FROM channel c WHERE c.name = p_channel;
+        SELECT c.next_dequeue_at, (p_at, p_id) < (c.head_at, c.head_id)
+        INTO v_next, v_below
+        FROM channel c WHERE c.name = p_channel;
         v_found := FOUND;
     END IF;
     -- The clock now (not as the transaction started), plus 10 ms: a row due by then is left
     -- alone, even while a dequeue holds it (the safety rule at the top of this file).
     v_clock := epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT + 10;
-    IF v_found AND v_next <= greatest(p_at, v_clock) THEN
+    IF v_found AND v_next <= greatest(p_at, v_clock) AND NOT v_below THEN
         RETURN;
     END IF;
     IF v_found THEN
-        UPDATE channel c SET next_dequeue_at = p_at
+        UPDATE channel c SET
+            next_dequeue_at = CASE
+                WHEN c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(p_at, v_clock)
+                THEN p_at ELSE c.next_dequeue_at END,
+            (head_at, head_id) = (
+                SELECT k.at, k.id FROM (VALUES (c.head_at, c.head_id), (p_at, p_id)) k(at, id)
+                ORDER BY k.at, k.id LIMIT 1)
         WHERE c.name = p_channel
-          AND (c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(p_at, v_clock));
+          AND (c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(p_at, v_clock)
+               OR (p_at, p_id) < (c.head_at, c.head_id))
+        RETURNING c.next_dequeue_at INTO v_after;
     ELSE
         -- Still invisible to this transaction (a snapshot older than the row): an upsert.
-        INSERT INTO channel AS c (name, next_dequeue_at) VALUES (p_channel, p_at)
-        ON CONFLICT (name) DO UPDATE SET next_dequeue_at = least(c.next_dequeue_at, p_at)
-        WHERE c.next_dequeue_at IS NULL OR c.next_dequeue_at > p_at;
+        INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
+        VALUES (p_channel, p_at, p_at, p_id)
+        ON CONFLICT (name) DO UPDATE SET
+            next_dequeue_at = least(c.next_dequeue_at, p_at),
+            (head_at, head_id) = (
+                SELECT k.at, k.id FROM (VALUES (c.head_at, c.head_id), (p_at, p_id)) k(at, id)
+                ORDER BY k.at, k.id LIMIT 1)
+        WHERE c.next_dequeue_at IS NULL OR c.next_dequeue_at > p_at
+           OR (p_at, p_id) < (c.head_at, c.head_id)
+        RETURNING c.next_dequeue_at INTO v_after;
     END IF;
     IF FOUND THEN
-        PERFORM channel_announce(v_next, p_at, p_type, p_id, p_channel);
+        PERFORM channel_announce(v_next, v_after, p_type, p_id, p_channel);
     END IF;
 END;
 $$;
@@ -196,21 +284,15 @@ AS $$
 DECLARE
     v_next_at BIGINT;
 BEGIN
-    SELECT CASE WHEN p_served THEN greatest(m.dequeue_at, p_now) ELSE m.dequeue_at END
+    SELECT CASE WHEN p_served THEN greatest(f.dequeue_at, p_now) ELSE f.dequeue_at END
     INTO v_next_at
-    FROM message m
-    WHERE m.channel = p_channel AND NOT m.is_locked
-    ORDER BY m.dequeue_at, m.id
-    LIMIT 1;
+    FROM channel_first(p_channel) f;
     IF v_next_at IS NULL OR v_next_at > p_now THEN
         IF pg_try_advisory_xact_lock(channel_key(p_channel)) THEN
             -- Creates that committed since the first read are visible to this statement.
-            SELECT CASE WHEN p_served THEN greatest(m.dequeue_at, p_now) ELSE m.dequeue_at END
+            SELECT CASE WHEN p_served THEN greatest(f.dequeue_at, p_now) ELSE f.dequeue_at END
             INTO v_next_at
-            FROM message m
-            WHERE m.channel = p_channel AND NOT m.is_locked
-            ORDER BY m.dequeue_at, m.id
-            LIMIT 1;
+            FROM channel_first(p_channel) f;
             IF v_next_at IS NULL THEN
                 DELETE FROM channel c WHERE c.name = p_channel;
                 RETURN;
@@ -224,21 +306,4 @@ BEGIN
         last_dequeue_at = CASE WHEN p_served THEN p_now ELSE c.last_dequeue_at END
     WHERE c.name = p_channel;
 END;
-$$;
-
-
--- channel_rotate_next_at(): when a rotated channel is next worth a visit: its next waiting
--- message's dequeue_at (not before p_now when it was just served); NULL when nothing waits.
--- Locks: none. Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION channel_rotate_next_at(p_channel TEXT, p_now BIGINT, p_served BOOLEAN)
-RETURNS BIGINT
-LANGUAGE sql VOLATILE
-SET search_path FROM CURRENT
-SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
-AS $$
-    SELECT CASE WHEN p_served THEN greatest(m.dequeue_at, p_now) ELSE m.dequeue_at END
-    FROM message m
-    WHERE m.channel = p_channel AND NOT m.is_locked
-    ORDER BY m.dequeue_at, m.id
-    LIMIT 1
 $$;

@@ -66,7 +66,11 @@ DECLARE
 BEGIN
     UPDATE channel c SET
         current_size = c.current_size + 1,
-        next_dequeue_at = v_next_at
+        next_dequeue_at = v_next_at,
+        -- Where its waiting messages begin, when this one sorts first (see 20_channel.sql).
+        (head_at, head_id) = (
+            SELECT k.at, k.id FROM (VALUES (c.head_at, c.head_id), (p_at, p_id)) k(at, id)
+            ORDER BY k.at, k.id LIMIT 1)
     WHERE c.name = p_channel.name;
     PERFORM channel_announce(
         channel_servable_at(p_channel.next_dequeue_at, p_channel.current_concurrency,
@@ -276,7 +280,12 @@ BEGIN
             UPDATE channel c SET
                 current_size = CASE WHEN c.has_policy THEN c.current_size + a.n ELSE 0 END,
                 next_dequeue_at = least(c.next_dequeue_at, greatest(a.min_at,
-                    c.last_dequeue_at + coalesce(c.release_interval_ms, 0)))
+                    c.last_dequeue_at + coalesce(c.release_interval_ms, 0))),
+                -- (min_at, first_id) sorts no later than any new message of the channel.
+                (head_at, head_id) = (
+                    SELECT k.at, k.id
+                    FROM (VALUES (c.head_at, c.head_id), (a.min_at, a.first_id)) k(at, id)
+                    ORDER BY k.at, k.id LIMIT 1)
             FROM added a
             WHERE c.name = a.channel
             RETURNING c.name, c.next_dequeue_at, c.current_concurrency, c.max_concurrency,
@@ -419,8 +428,10 @@ BEGIN
     FROM unnest(v_ids, p_channels, p_contents, p_dequeue_ats)
         AS t(id, channel, content, dequeue_at);
 
-    -- The channels whose row is missing or says later than their earliest new message, as
-    -- this statement sees them.
+    -- The channels whose row is missing, says later than their earliest new message, or
+    -- says their waiting messages begin after it, as this statement sees them (under the
+    -- channels' shared locks, so where they begin cannot move up meanwhile: 20_channel.sql).
+    -- (at, first_id) sorts no later than any new message of its channel.
     SELECT array_agg(l.name ORDER BY l.name), array_agg(l.at ORDER BY l.name),
            array_agg(l.first_id ORDER BY l.name), array_agg(l.seen_next ORDER BY l.name)
     INTO v_late, v_late_ats, v_first_ids, v_seen
@@ -435,6 +446,7 @@ BEGIN
         LEFT JOIN channel c ON c.name = a.name
         WHERE c.name IS NULL OR c.next_dequeue_at IS NULL
            OR c.next_dequeue_at > greatest(a.at, v_clock)
+           OR (a.at, a.first_id) < (c.head_at, c.head_id)
     ) l;
 
     IF v_late IS NOT NULL THEN
@@ -449,8 +461,9 @@ BEGIN
         FROM unnest(v_late) AS u(name)
         WHERE NOT EXISTS (SELECT FROM channel c WHERE c.name = u.name);
         WITH created AS (
-            INSERT INTO channel AS c (name, next_dequeue_at)
-            SELECT u.name, u.at FROM unnest(v_late, v_late_ats) AS u(name, at)
+            INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
+            SELECT u.name, u.at, u.at, u.first_id
+            FROM unnest(v_late, v_late_ats, v_first_ids) AS u(name, at, first_id)
             WHERE NOT EXISTS (SELECT FROM channel x WHERE x.name = u.name)
             ORDER BY u.name
             ON CONFLICT (name) DO NOTHING
@@ -470,19 +483,31 @@ BEGIN
         v_clock := v_now + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT
             + 10;
         PERFORM FROM channel c
-        JOIN unnest(v_late, v_late_ats) AS u(name, at) ON u.name = c.name
+        JOIN unnest(v_late, v_late_ats, v_first_ids) AS u(name, at, first_id)
+            ON u.name = c.name
         WHERE c.name <> ALL (v_written)
-          AND (c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(u.at, v_clock))
+          AND (c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(u.at, v_clock)
+               OR (u.at, u.first_id) < (c.head_at, c.head_id))
         ORDER BY c.name
         FOR UPDATE OF c;
         WITH moved AS (
-            UPDATE channel c SET next_dequeue_at = u.at
-            FROM unnest(v_late, v_late_ats) AS u(name, at)
+            UPDATE channel c SET
+                next_dequeue_at = CASE
+                    WHEN c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(u.at, v_clock)
+                    THEN u.at ELSE c.next_dequeue_at END,
+                (head_at, head_id) = (
+                    SELECT k.at, k.id
+                    FROM (VALUES (c.head_at, c.head_id), (u.at, u.first_id)) k(at, id)
+                    ORDER BY k.at, k.id LIMIT 1)
+            FROM unnest(v_late, v_late_ats, v_first_ids) AS u(name, at, first_id)
             WHERE c.name = u.name AND c.name <> ALL (v_written)
-              AND (c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(u.at, v_clock))
-            RETURNING c.name
+              AND (c.next_dequeue_at IS NULL OR c.next_dequeue_at > greatest(u.at, v_clock)
+                   OR (u.at, u.first_id) < (c.head_at, c.head_id))
+            RETURNING c.name, c.next_dequeue_at <> u.at AS head_only
         )
-        SELECT v_written || coalesce(array_agg(m.name), ARRAY[]::TEXT[]) INTO v_written
+        SELECT v_written || coalesce(array_agg(m.name) FILTER (WHERE NOT m.head_only),
+                                     ARRAY[]::TEXT[])
+        INTO v_written
         FROM moved m;
 
         -- Announce, soonest first (one NOTIFY then covers the batch).
@@ -577,7 +602,7 @@ BEGIN
         INSERT INTO message (channel, content, dequeue_at, created_at)
         VALUES (v_name, p_content, v_at, v_now)
         RETURNING message.id INTO v_id;
-        PERFORM channel_wake(v_name, v_at, v_seen, v_channel.next_dequeue_at, 'created', v_id);
+        PERFORM channel_wake(v_name, v_at, v_seen, v_channel, 'created', v_id);
         status := 'created'; id := v_id; channel_size := NULL;
         RETURN NEXT;
         RETURN;
@@ -593,7 +618,7 @@ BEGIN
     END IF;
     -- The channel row first (it may wait for a batch holding it), the key after: see the top.
     v_new_id := nextval('message_id_seq');
-    PERFORM channel_wake(v_name, v_at, v_seen, v_channel.next_dequeue_at, 'created', v_new_id);
+    PERFORM channel_wake(v_name, v_at, v_seen, v_channel, 'created', v_new_id);
     FOR v_round IN 1..3 LOOP
         INSERT INTO message (id, channel, content, dequeue_at, dedup_key, created_at)
         VALUES (v_new_id, v_name, p_content, v_at, p_dedup_key, v_now)

@@ -125,6 +125,7 @@ BEGIN
         WHERE m.id = (
             SELECT h.id FROM message h
             WHERE h.channel = v_channel.name AND NOT h.is_locked
+              AND (h.dequeue_at, h.id) >= (v_channel.head_at, v_channel.head_id)
               AND h.dequeue_at <= v_now
             ORDER BY h.dequeue_at, h.id
             LIMIT 1
@@ -135,6 +136,7 @@ BEGIN
             PERFORM channel_rotate(v_channel.name, v_now, FALSE);
             RETURN NULL;
         END IF;
+        PERFORM channel_head_advance(v_channel);
         -- To the back, when its next head is due (channel_rotate's first case); otherwise
         -- channel_rotate pushes it forward or deletes its row.
         UPDATE channel c SET
@@ -142,10 +144,8 @@ BEGIN
             turn = nextval('channel_turn_seq'),
             last_dequeue_at = v_now
         FROM (
-            SELECT greatest(x.dequeue_at, v_now) AS next_at FROM message x
-            WHERE x.channel = v_channel.name AND NOT x.is_locked
-            ORDER BY x.dequeue_at, x.id
-            LIMIT 1) n
+            SELECT greatest(f.dequeue_at, v_now) AS next_at
+            FROM channel_first(v_channel.name) f) n
         WHERE c.name = v_channel.name AND n.next_at <= v_now;
         IF NOT FOUND THEN
             PERFORM channel_rotate(v_channel.name, v_now, TRUE);
@@ -179,6 +179,11 @@ BEGIN
     WHERE m.id = (
         SELECT h.id FROM message h
         WHERE h.channel = v_busy AND NOT h.is_locked
+          -- Where its row says its waiting messages begin, read in this statement's snapshot
+          -- (two scalar reads keep the probe one ordered index scan).
+          AND (h.dequeue_at, h.id) >= (
+              (SELECT b.head_at FROM channel b WHERE b.name = v_busy),
+              (SELECT b.head_id FROM channel b WHERE b.name = v_busy))
           AND h.dequeue_at <= v_now
         ORDER BY h.dequeue_at, h.id
         LIMIT 1
@@ -309,11 +314,13 @@ BEGIN
                         WITH picked AS (
                             SELECT h.id, f.ord, h.rn
                             FROM unnest(v_free) WITH ORDINALITY AS f(name, ord)
+                            JOIN channel b ON b.name = f.name
                             CROSS JOIN LATERAL (
                                 SELECT x.id, row_number() OVER () AS rn
                                 FROM (
                                     SELECT m.id FROM message m
-                                    WHERE m.channel = f.name AND NOT m.is_locked
+                                    WHERE m.channel = b.name AND NOT m.is_locked
+                                      AND (m.dequeue_at, m.id) >= (b.head_at, b.head_id)
                                       AND m.dequeue_at <= v_now
                                     ORDER BY m.dequeue_at, m.id
                                     LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
@@ -347,12 +354,12 @@ BEGIN
                     -- Send them to the back together: those whose next head is due in one
                     -- statement (new turns in the order they were served), the rest one by
                     -- one (channel_rotate may push them ahead or delete their rows).
+                    PERFORM channel_head_advance(d)
+                    FROM unnest(v_due) AS d WHERE d.name = ANY (v_free);
                     WITH next_heads AS (
                         SELECT f.name, f.ord,
-                               (SELECT greatest(m.dequeue_at, v_now) FROM message m
-                                WHERE m.channel = f.name AND NOT m.is_locked
-                                ORDER BY m.dequeue_at, m.id
-                                LIMIT 1) AS next_at
+                               (SELECT greatest(h.dequeue_at, v_now)
+                                FROM channel_first(f.name) h) AS next_at
                         FROM unnest(v_free) WITH ORDINALITY AS f(name, ord)
                     ), turns AS (
                         SELECT n.name, n.next_at, nextval('channel_turn_seq') AS turn
@@ -429,11 +436,13 @@ BEGIN
                     WITH picked AS (
                         SELECT h.id, f.ord, h.rn
                         FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
+                        JOIN channel b ON b.name = f.name
                         CROSS JOIN LATERAL (
                             SELECT x.id, row_number() OVER () AS rn
                             FROM (
                                 SELECT m.id FROM message m
-                                WHERE m.channel = f.name AND NOT m.is_locked
+                                WHERE m.channel = b.name AND NOT m.is_locked
+                                  AND (m.dequeue_at, m.id) >= (b.head_at, b.head_id)
                                   AND m.dequeue_at <= v_now
                                 ORDER BY m.dequeue_at, m.id
                                 LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
@@ -531,6 +540,10 @@ BEGIN
                             WHERE m.id = ANY (ARRAY(
                                 SELECT h.id FROM message h
                                 WHERE h.channel = v_busy AND NOT h.is_locked
+                                  -- As take_one's ride-along reads it.
+                                  AND (h.dequeue_at, h.id) >= (
+                                      (SELECT b.head_at FROM channel b WHERE b.name = v_busy),
+                                      (SELECT b.head_id FROM channel b WHERE b.name = v_busy))
                                   AND h.dequeue_at <= v_now
                                 ORDER BY h.dequeue_at, h.id
                                 LIMIT p_limit - v_taken
@@ -605,12 +618,16 @@ BEGIN
                 WHERE m.id = (
                     SELECT h.id FROM message h
                     WHERE h.channel = v_channel.name AND NOT h.is_locked
+                      AND (h.dequeue_at, h.id) >= (v_channel.head_at, v_channel.head_id)
                       AND h.dequeue_at <= v_now
                     ORDER BY h.dequeue_at, h.id
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED)
                 RETURNING m.* INTO v_message;
                 v_found := FOUND;
+                IF v_found THEN
+                    PERFORM channel_head_advance(v_channel);
+                END IF;
 
                 IF NOT v_channel.has_policy THEN
                     PERFORM channel_rotate(v_channel.name, v_now, v_found);
@@ -632,6 +649,7 @@ BEGIN
                         next_dequeue_at = (
                             SELECT greatest(n.dequeue_at, v_release_at) FROM message n
                             WHERE n.channel = c.name AND NOT n.is_locked
+                              AND (n.dequeue_at, n.id) >= (c.head_at, c.head_id)
                             ORDER BY n.dequeue_at, n.id
                             LIMIT 1),
                         turn = nextval('channel_turn_seq')

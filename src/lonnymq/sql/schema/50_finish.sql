@@ -309,8 +309,8 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared(channel_key(v_message.channel));
     SELECT * INTO v_channel FROM channel c WHERE c.name = v_message.channel;
     IF NOT FOUND OR NOT v_channel.has_policy THEN
-        PERFORM channel_wake(v_message.channel, v_message.dequeue_at, FOUND,
-            v_channel.next_dequeue_at, 'deferred', p_id);
+        PERFORM channel_wake(v_message.channel, v_message.dequeue_at, FOUND, v_channel,
+            'deferred', p_id);
         RETURN TRUE;
     END IF;
     SELECT * INTO STRICT v_channel FROM channel c WHERE c.name = v_message.channel FOR UPDATE;
@@ -318,7 +318,11 @@ BEGIN
         v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0)));
     v_concurrency := CASE WHEN v_channel.max_concurrency IS NULL THEN 0
                           ELSE v_channel.current_concurrency - 1 END;
-    UPDATE channel c SET current_concurrency = v_concurrency, next_dequeue_at = v_next_at
+    UPDATE channel c SET current_concurrency = v_concurrency, next_dequeue_at = v_next_at,
+        (head_at, head_id) = (
+            SELECT k.at, k.id
+            FROM (VALUES (c.head_at, c.head_id), (v_message.dequeue_at, p_id)) k(at, id)
+            ORDER BY k.at, k.id LIMIT 1)
     WHERE c.name = v_channel.name;
     PERFORM channel_announce(
         channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,

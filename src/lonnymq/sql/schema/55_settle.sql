@@ -195,6 +195,9 @@ BEGIN
                NULL::BIGINT, NULL::BIGINT, NULL::BIGINT
         FROM unnest(p_ids, v_status) AS t(id, status);
     IF p_limit > 0 THEN
+        -- A group commit ends its transaction at once: its takes may move where their
+        -- channels' waiting messages begin (channel_head_advance).
+        PERFORM set_config('lonnymq.head_advance', 'on', TRUE);
         RETURN QUERY
             SELECT q.id, CASE WHEN q.id IS NULL THEN 'empty' ELSE 'locked' END, q.channel,
                    q.content, q.state, q.num_attempts, q.dequeue_at, q.unlock_at, q.retry_at

@@ -151,8 +151,7 @@ BEGIN
     IF NOT FOUND OR NOT v_channel.has_policy THEN
         UPDATE message m SET dequeue_at = v_now WHERE m.id = p_id;
         -- As a defer to now does: the row is brought forward only when it says later.
-        PERFORM channel_wake(v_message.channel, v_now, FOUND, v_channel.next_dequeue_at,
-            'ready', p_id);
+        PERFORM channel_wake(v_message.channel, v_now, FOUND, v_channel, 'ready', p_id);
     ELSE
         -- As message_requeue_try does: sooner only, no sooner than the interval allows.
         SELECT * INTO STRICT v_channel FROM channel c WHERE c.name = v_message.channel
@@ -160,7 +159,11 @@ BEGIN
         UPDATE message m SET dequeue_at = v_now WHERE m.id = p_id;
         v_next_at := least(v_channel.next_dequeue_at, greatest(v_now,
             v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0)));
-        UPDATE channel c SET next_dequeue_at = v_next_at WHERE c.name = v_channel.name;
+        UPDATE channel c SET next_dequeue_at = v_next_at,
+            (head_at, head_id) = (
+                SELECT k.at, k.id FROM (VALUES (c.head_at, c.head_id), (v_now, p_id)) k(at, id)
+                ORDER BY k.at, k.id LIMIT 1)
+        WHERE c.name = v_channel.name;
         PERFORM channel_announce(
             channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
                 v_channel.max_concurrency),

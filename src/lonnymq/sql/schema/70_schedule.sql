@@ -101,17 +101,27 @@ BEGIN
             SELECT * INTO v_channel FROM channel c WHERE c.name = v_message.channel;
             v_seen := FOUND;
             IF NOT v_seen OR NOT v_channel.has_policy THEN
-                PERFORM channel_wake(v_message.channel, p_next_at, v_seen,
-                    v_channel.next_dequeue_at, 'deferred', v_message.id);
+                PERFORM channel_wake(v_message.channel, p_next_at, v_seen, v_channel,
+                    'deferred', v_message.id);
                 status := 'updated'; id := v_message.id;
                 RETURN NEXT;
                 RETURN;
             END IF;
             SELECT * INTO STRICT v_channel FROM channel c
             WHERE c.name = v_message.channel FOR UPDATE;
-            v_after := channel_next_at(v_channel.name,
-                v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0));
-            UPDATE channel c SET next_dequeue_at = v_after WHERE c.name = v_channel.name;
+            -- (The driver may now sort before where the row says the channel's waiting
+            -- messages begin, where channel_next_at starts: hence the least.)
+            v_after := least(
+                channel_next_at(v_channel.name,
+                    v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0)),
+                greatest(p_next_at,
+                    v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0)));
+            UPDATE channel c SET next_dequeue_at = v_after,
+                (head_at, head_id) = (
+                    SELECT k.at, k.id
+                    FROM (VALUES (c.head_at, c.head_id), (p_next_at, v_message.id)) k(at, id)
+                    ORDER BY k.at, k.id LIMIT 1)
+            WHERE c.name = v_channel.name;
             PERFORM channel_announce(
                 channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
                     v_channel.max_concurrency),

@@ -227,7 +227,12 @@ BEGIN
         WITH updated AS (
             UPDATE channel c SET
                 next_dequeue_at = least(c.next_dequeue_at, greatest(a.min_at,
-                    c.last_dequeue_at + coalesce(c.release_interval_ms, 0)))
+                    c.last_dequeue_at + coalesce(c.release_interval_ms, 0))),
+                -- (min_at, v_floor) sorts no later than any new message of the channel.
+                (head_at, head_id) = (
+                    SELECT k.at, k.id
+                    FROM (VALUES (c.head_at, c.head_id), (a.min_at, v_floor)) k(at, id)
+                    ORDER BY k.at, k.id LIMIT 1)
             FROM unnest(v_fast, v_fast_ats) AS a(channel, min_at)
             WHERE c.name = a.channel
             RETURNING c.name, c.next_dequeue_at, c.current_concurrency, c.max_concurrency
@@ -737,6 +742,7 @@ BEGIN
         CROSS JOIN LATERAL (
             SELECT m.id, m.dequeue_at FROM message m
             WHERE m.channel = c.name AND NOT m.is_locked
+              AND (m.dequeue_at, m.id) >= (c.head_at, c.head_id)
             ORDER BY m.dequeue_at, m.id
             LIMIT 1) h
         WHERE c.next_dequeue_at IS NOT NULL AND c.name <> 'lonnymq.schedules'

@@ -47,6 +47,9 @@
 --   channel_missing     waiting messages but no channel row (expected: the head's dequeue_at);
 --   head_unscheduled    waiting messages but next_dequeue_at is NULL;
 --   head_late           next_dequeue_at later than allowed (expected: the latest allowed);
+--   head_hidden         a waiting message sorts before where the row says the channel's
+--                       waiting messages begin (head_at, head_id): takes start there and
+--                       would pass it (expected: the message's id; actual: head_id);
 --   orphan_channel      a policy-free row with no waiting message and no next_dequeue_at;
 --   stray_policy        a policy-free row with policy values set;
 --   bad_lock            a message whose lock is inconsistent (locked without unlock_at or the
@@ -83,6 +86,7 @@ AS $$
                c.current_size, c.current_concurrency, c.next_dequeue_at, c.last_dequeue_at,
                coalesce(n.total, 0) AS total, coalesce(n.locked, 0) AS locked,
                h.id AS head_id, h.dequeue_at AS head_at,
+               c.head_at AS mark_at, c.head_id AS mark_id,
                CASE WHEN coalesce(c.has_policy, FALSE)
                     THEN greatest(h.dequeue_at,
                         c.last_dequeue_at + coalesce(c.release_interval_ms, 0))
@@ -138,6 +142,14 @@ AS $$
                    s.head_id, s.head_at, s.next_dequeue_at, s.latest_at)
         FROM state s
         WHERE s.has_row AND s.head_id IS NOT NULL AND s.next_dequeue_at > s.latest_at
+        UNION ALL
+        SELECT s.name, 'head_hidden', s.head_id, s.mark_id,
+               format('message %s waits (due at %s) but the channel row says its waiting '
+                   'messages begin at (%s, %s), after it: no dequeue will find it',
+                   s.head_id, s.head_at, s.mark_at, s.mark_id)
+        FROM state s
+        WHERE s.has_row AND s.head_id IS NOT NULL
+          AND (s.head_at, s.head_id) < (s.mark_at, s.mark_id)
         UNION ALL
         SELECT s.name, 'orphan_channel', NULL::BIGINT, NULL::BIGINT,
                format('a channel row without a policy, without a waiting message (%s locked) '
