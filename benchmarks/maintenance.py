@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from lonnymq.bench import BATCH, BENCH_SCHEMAS, PROFILES, Bench, drop_schemas
+from lonnymq.bench import BATCH, PROFILES, Bench
 
 # (shape, messages per call, queue, channels)
 SHAPES = [
@@ -93,7 +93,6 @@ def main() -> None:
     finally:
         bench.close()
         shutil.rmtree(out, ignore_errors=True)
-        drop_schemas(args.dsn, *BENCH_SCHEMAS)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psycopg
 
-from lonnymq.bench import BATCH, BENCH_SCHEMAS, PROFILES, Bench, drop_schemas
+from lonnymq.bench import BATCH, PROFILES, Bench
 
 # (messages per call, queue, channels)
 SHAPES = [(1, "raw", 1), (1, "lonnymq", 1), (1, "lonnymq", 100)]
@@ -61,7 +61,6 @@ def main() -> None:
     finally:
         bench.close()
         shutil.rmtree(out, ignore_errors=True)
-        drop_schemas(args.dsn, *BENCH_SCHEMAS)
 
 
 def _rounds(bench: Bench, dsn: str, seconds: int, rounds: int) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 
 import psycopg
 
-from lonnymq._bench_env import drop_schemas
 from lonnymq.bench import PROFILES, Bench
 from lonnymq.bench_worker import (
     BACKLOG,
@@ -221,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.perf_counter(), os.getloadavg()
     rows: list[dict[str, Any]] = []
     profile = dataclasses.replace(PROFILES["default"], name="peers", worker_seconds=args.seconds)
-    schemas = (args.schema, f"{args.schema}_raw")
-    bench = Bench(args.dsn, profile, args.out, log, schemas=schemas)
+    bench = Bench(args.dsn, profile, args.out, log, schemas=(args.schema, f"{args.schema}_raw"))
     try:
         # By concurrency, so that the rows compared with one another run minutes apart at most.
         for concurrency in args.concurrency:
@@ -234,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, peer in peers.items():
                 rows.append(_peer_row_or_error(args, key, peer, concurrency, floor=floor, log=log))
     finally:
-        bench.close()
-        if bench.made_schemas:
-            drop_schemas(args.dsn, *schemas)
+        bench.close()  # drops the schemas it made
     report = {
         "command": ["python", "-m", "benchmarks.peers", *(sys.argv[1:] if argv is None else argv)],
         "commit": _commit(),

@@ -43,16 +43,13 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ._bench_env import drop_schemas, spark_unavailable
+from ._bench_env import drop_schemas, run_schema, spark_unavailable
 from .bench_worker import run_worker_shape
 from .queue import Queue
 
-__all__ = ["Profile", "drop_schemas", "run_bench", "spark_unavailable"]
+__all__ = ["Profile", "bench_schemas", "drop_schemas", "run_bench", "spark_unavailable"]
 
-SCHEMA = "lonnymq_bench"
-RAW_SCHEMA = "lonnymq_bench_raw"
-# The two schemas a bench run makes: the lonnymq queue's and the raw queue's.
-BENCH_SCHEMAS = (SCHEMA, RAW_SCHEMA)
+SCHEMA_PREFIX = "lonnymq_bench"
 LOCK_MS = 60_000
 BATCH = 100
 MAINTENANCE_S = 1.0
@@ -62,10 +59,17 @@ RAW_DUE = """
 SELECT coalesce(n_dead_tup >= 2000 + n_live_tup / 20, FALSE) FROM pg_catalog.pg_stat_all_tables
 WHERE relid = '{r}.{table}'::regclass
 """
-# The table each plain-SQL queue kind keeps its messages in (in RAW_SCHEMA).
+# The table each plain-SQL queue kind keeps its messages in (in the raw queue's schema).
 RAW_TABLES = {"raw": "raw_queue", "durable": "durable_queue"}
 DURABLE = "durable floor"
 """The durable floor's label in the report."""
+
+
+def bench_schemas() -> tuple[str, str]:
+    """The two schemas of one bench run, its own (see ``run_schema``): the lonnymq queue's
+    and the raw queue's (the durable floor's too), named alike so that they sort together."""
+    schema = run_schema(SCHEMA_PREFIX)
+    return schema, f"{schema}_raw"
 
 
 @dataclass(frozen=True)
@@ -319,11 +323,12 @@ class Bench:
         log: Callable[[str], None],
         *,
         maintenance: bool = True,
-        schemas: tuple[str, str] = BENCH_SCHEMAS,
+        schemas: tuple[str, str] | None = None,
     ) -> None:
         self.dsn = dsn
-        # The lonnymq queue's schema and the raw queue's (and the durable floor's).
-        self.schema, self.raw_schema = schemas
+        # The lonnymq queue's schema and the raw queue's (and the durable floor's): this run's
+        # own unless given.
+        self.schema, self.raw_schema = schemas or bench_schemas()
         self.maintenance = maintenance
         self.vacuums = 0
         self.profile = profile
@@ -331,7 +336,7 @@ class Bench:
         self.log = log
         self.pgbench = pgbench_path()
         self.tmp = Path(tempfile.mkdtemp(prefix="lonnymq-bench-"))
-        # Set by reset(): the bench's schemas may exist and are dropped at the end.
+        # Set by reset(): the bench's schemas may exist and are dropped by close().
         self.made_schemas = False
         self.names = {
             "s": sql.Identifier(self.schema).as_string(),
@@ -339,8 +344,12 @@ class Bench:
         }
 
     def close(self) -> None:
-        """Remove the pgbench scripts' temporary directory."""
+        """Remove the pgbench scripts' temporary directory and drop the bench's schemas (its
+        own only: another run's on the same server are left alone)."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.made_schemas:
+            drop_schemas(self.dsn, self.schema, self.raw_schema)
+            self.made_schemas = False
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -584,7 +593,8 @@ class Bench:
             arrived.set()
 
         timings: list[float] = []
-        with Queue(self.dsn, schema=self.schema, event_channel="lonnymq_bench") as queue:
+        # The run's own NOTIFY channel: another run's creates do not wake this worker.
+        with Queue(self.dsn, schema=self.schema, event_channel=self.schema) as queue:
             queue.install()
             worker = Worker(queue, handler, concurrency=1, lock_ms=LOCK_MS, idle_ms=60_000)
             thread = threading.Thread(
@@ -855,8 +865,10 @@ def run_bench(
         return _run_bench(bench, spark_only=spark_only)
     finally:
         bench.close()
-        if bench.made_schemas:
-            drop_schemas(dsn, *BENCH_SCHEMAS)
+
+
+def _schemas_line(bench: Bench) -> str:
+    return f"schemas {bench.schema} and {bench.raw_schema} (dropped at the end)"
 
 
 def _run_worker_shape(bench: Bench) -> dict[str, Any]:
@@ -865,7 +877,8 @@ def _run_worker_shape(bench: Bench) -> dict[str, Any]:
         version = conn.execute("SHOW server_version").fetchone()
     bench.log(
         f"lonnymq bench --worker, profile {bench.profile.name}: PostgreSQL "
-        f"{version[0] if version else '?'}, {bench.profile.worker_seconds}s per phase"
+        f"{version[0] if version else '?'}, {bench.profile.worker_seconds}s per phase, "
+        f"{_schemas_line(bench)}"
     )
     started = time.perf_counter()
     rows = run_worker_shape(bench)
@@ -889,7 +902,8 @@ def _run_bench(bench: Bench, *, spark_only: bool) -> dict[str, Any]:
     shape = (
         "the Spark section only"
         if spark_only
-        else f"{chosen.clients} clients per side, {chosen.seconds}s x {chosen.repeats} per row"
+        else f"{chosen.clients} clients per side, {chosen.seconds}s x {chosen.repeats} per row, "
+        f"{_schemas_line(bench)}"
     )
     log(
         f"lonnymq bench, profile {chosen.name}: "

@@ -38,7 +38,9 @@ the statements inside the queue's functions (the same probes as the Worker ran t
 finish's statements), with the statements that touched the most pages.
 
 Prints a table per window and one per phase; writes ``long_txn.json`` to ``--out`` (default
-``benchmarks/results``). The schemas are dropped at the end.
+``benchmarks/results``). The run's schemas, the queue's (``--schema``, by default a name of the
+run's own: ``lonnymq_long_txn_<pid>_<token>``) and the reader's (that name and ``_aux``), are
+dropped at the end.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ._bench_env import run_schema
 from .embedded import resolve_dsn
 from .errors import InvalidArgumentError
 from .queue import Message, Queue
@@ -234,12 +237,17 @@ class LongTxnBench:
     """One run against one server."""
 
     def __init__(
-        self, dsn: str, settings: Settings, schema: str, log: Callable[[str], None] = print
+        self,
+        dsn: str,
+        settings: Settings,
+        schema: str | None = None,
+        log: Callable[[str], None] = print,
     ) -> None:
         self.dsn = dsn
         self.settings = settings
-        self.schema = schema
-        self.aux = f"{schema}_aux"  # the reader's table; pg_stat_statements if we create it
+        # The run's own unless given: another run on the server never drops it.
+        self.schema = schema or run_schema(APP)
+        self.aux = f"{self.schema}_aux"  # the reader's table; pg_stat_statements if we create it
         self.log = log
         self.started = time.monotonic()
         self.windows: list[dict[str, Any]] = []
@@ -523,13 +531,15 @@ class LongTxnBench:
         thread = threading.Thread(target=read, name="bench-reader")
         thread.start()
         try:
-            with self._admin() as conn:  # wait until its query runs, holding its snapshot
+            # Wait until its query runs, holding its snapshot: this reader's backend, not any
+            # reader of the server (another run's may be running too).
+            with self._admin() as conn:
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     row = conn.execute(
-                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+                        "SELECT count(*) FROM pg_stat_activity WHERE pid = %s "
                         "AND state = 'active' AND backend_xmin IS NOT NULL",
-                        (f"{APP}_reader",),
+                        (reader.info.backend_pid,),
                     ).fetchone()
                     if row and row[0]:
                         break
@@ -775,11 +785,12 @@ def run_long_txn(
     settings: Settings = DEFAULT,
     *,
     out: str | os.PathLike[str] = "benchmarks/results",
-    schema: str = "lonnymq_long_txn",
+    schema: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the benchmark; print the tables, write ``long_txn.json`` to ``out`` and return
-    the report."""
+    the report. ``schema``: the queue's (default: a name of the run's own); it and the reader's
+    are dropped at the end."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     bench = LongTxnBench(dsn, settings, schema, log)
@@ -787,7 +798,8 @@ def run_long_txn(
     log(
         f"long transaction bench: a Worker of {settings.concurrency} handlers of "
         f"{settings.handler_ms:g} ms, {settings.channels} channel(s), windows of "
-        f"{settings.window:g}s, holders {', '.join(settings.holders)} of {settings.hold:g}s each"
+        f"{settings.window:g}s, holders {', '.join(settings.holders)} of {settings.hold:g}s each, "
+        f"schemas {bench.schema} and {bench.aux} (dropped at the end)"
     )
     try:
         report = bench.run()
@@ -821,7 +833,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--holders", default=",".join(d.holders), help="idle, reader or idle,reader"
     )
-    parser.add_argument("--schema", default="lonnymq_long_txn")
+    parser.add_argument(
+        "--schema",
+        help="the queue's schema (default: lonnymq_long_txn_<pid>_<token>, the run's own)",
+    )
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="a smoke run of a few seconds")
     args = parser.parse_args(argv)

@@ -62,8 +62,6 @@ LOCK_MS = 60_000
 CONSUMERS = ("Worker", "AsyncWorker", "durable floor")
 POOL_CAP = 32
 """A worker's pool: its concurrency, at most this, plus 4 (the server takes 100 connections)."""
-EVENTS = "lonnymq_bench_worker"
-"""The NOTIFY channel of the lonnymq queue under test."""
 PACE = 0.5
 """The paced phase creates at this share of the saturated rate."""
 DRAIN_WAITS = 10
@@ -323,8 +321,9 @@ def _run_one(bench: Any, name: str, concurrency: int, seconds: float) -> dict[st
     kind = "durable" if name == "durable floor" else "lonnymq"
     producer_conn = psycopg.connect(dsn, autocommit=True)
     # The queue publishes events, so that an idle worker is woken by a create (the floor polls
-    # every ms when it has nothing to do).
-    producer = Queue(dsn, schema=schema, pool_size=1, event_channel=EVENTS)
+    # every ms when it has nothing to do), on a channel named after the run's own schema: another
+    # run's creates do not wake this worker.
+    producer = Queue(dsn, schema=schema, pool_size=1, event_channel=schema)
     producer.install()
     if kind == "durable":
         insert = sql.SQL("INSERT INTO {} (payload) SELECT unnest(%s::bytea[])").format(

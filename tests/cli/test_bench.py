@@ -17,7 +17,6 @@ import pytest
 
 from lonnymq import Queue
 from lonnymq.bench import (
-    BENCH_SCHEMAS,
     PROFILES,
     Bench,
     drop_schemas,
@@ -41,6 +40,10 @@ def test_bench_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # The run's own schemas, named in its first line, are gone.
+    named = re.search(r"schemas (\S+) and (\S+) \(dropped at the end\)", result.stdout)
+    assert named is not None, result.stdout[:3000]
+    assert _existing(dsn, *named.groups()) == []
     report = json.loads((tmp_path / "bench.json").read_text())
     rows = report["throughput"]
     # Every shape ran for the raw queue and for lonnymq, and moved messages.
@@ -114,23 +117,54 @@ def test_bench_removes_its_scripts_when_a_run_fails(
     assert list(scratch.iterdir()) == []
 
 
+def _existing(dsn: str, *schemas: str) -> list[str]:
+    """Those of ``schemas`` that exist, sorted."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname = ANY (%s) ORDER BY 1", [list(schemas)]
+        ).fetchall()
+    return [row[0] for row in rows]
+
+
 def test_bench_drops_its_schemas_when_a_run_fails(
     dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run that stops midway (here: right after the first reset) leaves no bench schema."""
+    made: list[str] = []
 
     def reset_then_fail(self: Bench) -> list[object]:
         self.reset()
+        made.extend((self.schema, self.raw_schema))
         raise RuntimeError("pgbench failed")
 
     monkeypatch.setattr(Bench, "throughput", reset_then_fail)
     with pytest.raises(RuntimeError, match="pgbench failed"):
         run_bench(dsn, profile="quick", out=tmp_path / "out", log=lambda _: None)
-    with psycopg.connect(dsn) as conn:
-        left = conn.execute(
-            "SELECT nspname FROM pg_namespace WHERE nspname = ANY (%s)", [list(BENCH_SCHEMAS)]
-        ).fetchall()
-    assert left == []
+    assert len(made) == 2
+    assert _existing(dsn, *made) == []
+
+
+def test_two_benches_on_one_server_keep_to_their_own_schemas(dsn: str, tmp_path: Path) -> None:
+    """Two bench runs at once (two test sessions on one server, say) each name their schemas
+    for themselves, and one that ends drops its own and leaves the other's, still usable (a
+    fixed name had one run drop the schemas the other was measuring)."""
+    first = Bench(dsn, PROFILES["quick"], tmp_path, lambda _: None)
+    second = Bench(dsn, PROFILES["quick"], tmp_path, lambda _: None)
+    try:
+        names = {first.schema, first.raw_schema, second.schema, second.raw_schema}
+        assert len(names) == 4
+        assert all(name.startswith(f"lonnymq_bench_{os.getpid()}_") for name in names)
+        first.reset()
+        second.reset()
+        first.close()
+        assert _existing(dsn, *names) == sorted([second.schema, second.raw_schema])
+        second.prefill("lonnymq", 3, 1)
+        second.prefill("raw", 2, 1)
+        assert (second._remaining("lonnymq"), second._remaining("raw")) == (3, 2)
+    finally:
+        first.close()
+        second.close()
+    assert _existing(dsn, *names) == []
 
 
 @pytest.mark.parametrize("batch", [1, 100])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -14,7 +15,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from lonnymq.bench_long_txn import STATEMENTS, _statement_deltas
+from lonnymq import Queue
+from lonnymq.bench_long_txn import QUICK, STATEMENTS, LongTxnBench, _statement_deltas
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "long_txn.py"
 PHASES = [("clean", "idle"), ("idle", "idle"), ("recovery", "idle"),
@@ -33,7 +35,7 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) ->
         schema = f"t_{uuid.uuid4().hex[:16]}"
         command = [sys.executable, str(SCRIPT), "--quick", "--schema", schema]
     else:
-        schema = "lonnymq_long_txn"  # what `lonnymq bench --long-txn` uses
+        schema = None  # `lonnymq bench --long-txn` names its own
         command = [sys.executable, "-m", "lonnymq.cli", "bench", "--long-txn", "--quick"]
     env = {**os.environ, "LONNYMQ_DSN": dsn}
     result = subprocess.run(
@@ -45,6 +47,12 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) ->
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    named = re.search(r"schemas (\S+) and (\S+) \(dropped at the end\)", result.stdout)
+    assert named is not None, result.stdout[:3000]
+    if schema is None:
+        schema = named[1]
+        assert re.fullmatch(r"lonnymq_long_txn_\d+_[0-9a-f]{8}", schema), schema
+    assert named.groups() == (schema, f"{schema}_aux")
     report = json.loads((tmp_path / "long_txn.json").read_text())
     assert [e["event"] for e in report["events"]] == [
         "capacity measured", "load start", "idle start", "idle end",
@@ -103,6 +111,35 @@ def test_long_txn_quick_writes_a_report(dsn: str, tmp_path: Path, entry: str) ->
             (schema, f"{schema}_aux"),
         ).fetchone()
     assert left == (0,)
+
+
+def test_two_long_txn_benches_on_one_server_keep_to_their_own_schemas(dsn: str) -> None:
+    """Two runs at once each name their schemas for themselves; one that ends drops its own
+    and leaves the other's queue working (a fixed name had one run drop the other's)."""
+    first, second = LongTxnBench(dsn, QUICK, log=print), LongTxnBench(dsn, QUICK, log=print)
+    names = [first.schema, first.aux, second.schema, second.aux]
+    assert len(set(names)) == 4
+    assert all(name.startswith(f"lonnymq_long_txn_{os.getpid()}_") for name in names)
+    try:
+        first.setup()
+        second.setup()
+        first.teardown()
+        with psycopg.connect(dsn) as conn:
+            left = conn.execute(
+                "SELECT nspname FROM pg_namespace WHERE nspname = ANY (%s) ORDER BY 1", [names]
+            ).fetchall()
+        assert [row[0] for row in left] == sorted([second.schema, second.aux])
+        with Queue(dsn, schema=second.schema) as queue:
+            queue.create(b"still here")
+            assert [s.size for s in queue.stats()] == [1]
+    finally:
+        first.teardown()
+        second.teardown()
+    with psycopg.connect(dsn) as conn:
+        count = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname = ANY (%s)", [names]
+        ).fetchone()
+    assert count == (0,)
 
 
 def test_statement_deltas_name_the_statements_of_a_window() -> None:

@@ -136,9 +136,13 @@ def _pause_channel_key_of_x(admin: Conn, schema: str) -> None:
     )
 
 
-def _wait_for_the_pause(admin: Conn) -> None:
+def _wait_for_the_pause(admin: Conn, consumer_pid: int) -> None:
+    """Return once the consumer's backend sleeps in the paused channel_key (its own only:
+    another client of the server, a second test run, may be sleeping too)."""
     deadline = time.monotonic() + 30
-    while not admin.execute("SELECT FROM pg_stat_activity WHERE wait_event = 'PgSleep'").fetchall():
+    while not admin.execute(
+        "SELECT FROM pg_stat_activity WHERE pid = %s AND wait_event = 'PgSleep'", [consumer_pid]
+    ).fetchall():
         assert time.monotonic() < deadline, "the consumer never reached channel x"
         time.sleep(0.01)
 
@@ -173,7 +177,7 @@ def test_riding_along_leaves_a_channel_given_a_policy_meanwhile_to_its_row(
         consumer.execute("SET lonnymq_test.pause = 'on'")
         thread = threading.Thread(target=lambda: out.setdefault("rows", _dequeue(consumer, 5)))
         thread.start()
-        _wait_for_the_pause(admin)
+        _wait_for_the_pause(admin, consumer.info.backend_pid)
         holder.rollback()
         queue.channel("x").set_policy(max_concurrency=5)
         thread.join()
@@ -272,7 +276,7 @@ def test_riding_along_does_not_lock_the_heads_of_a_channel_given_a_policy_meanwh
         # y (first in turn) is ridden alone; then z, w and x together, pausing at x.
         thread = threading.Thread(target=lambda: out.setdefault("rows", _dequeue(consumer, 8)))
         thread.start()
-        _wait_for_the_pause(admin)
+        _wait_for_the_pause(admin, consumer.info.backend_pid)
         holder.rollback()
         queue.channel("x").set_policy(max_concurrency=5)
         thread.join()

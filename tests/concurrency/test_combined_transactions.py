@@ -92,11 +92,14 @@ def test_create_before_policy_on_one_channel_deadlocks(
     assert queue.verify() == []
 
 
-def _wait_for_a_waiting_policy_set(admin: psycopg.Connection[Any]) -> None:
+def _wait_for_a_waiting_policy_set(admin: psycopg.Connection[Any], holder_pid: int) -> None:
+    """Return once a set_policy waits for a lock behind ``holder_pid`` (only such a one:
+    another client of the server, a second test run, may be setting a policy too)."""
     deadline = time.monotonic() + 30
     while not admin.execute(
         "SELECT FROM pg_stat_activity WHERE state = 'active' AND wait_event_type = 'Lock'"
-        " AND query LIKE '%%channel_policy_set%%'"
+        " AND %s = ANY(pg_blocking_pids(pid)) AND query LIKE '%%channel_policy_set%%'",
+        [holder_pid],
     ).fetchall():
         assert time.monotonic() < deadline, "no set_policy waited for a lock"
         time.sleep(0.01)
@@ -118,7 +121,7 @@ def _a_deadlocked_policy_set_runs_again(
             )
         )
         thread, out = in_thread(set_policy)
-        _wait_for_a_waiting_policy_set(admin)
+        _wait_for_a_waiting_policy_set(admin, holder.info.backend_pid)
         holder.execute(
             sql.SQL("SELECT pg_advisory_xact_lock_shared({}.channel_key('a'))").format(
                 sql.Identifier(queue.schema)
@@ -126,7 +129,7 @@ def _a_deadlocked_policy_set_runs_again(
         )
         # The set_policy was rolled back and runs again, now waiting behind the holder.
         assert not out, out
-        _wait_for_a_waiting_policy_set(admin)
+        _wait_for_a_waiting_policy_set(admin, holder.info.backend_pid)
         assert thread.is_alive()
         holder.commit()
         thread.join(timeout=60)

@@ -513,12 +513,14 @@ def test_ride_along_leaves_a_channel_whose_policy_is_being_set(
         assert queue.dequeue(lock_ms=LOCK_MS, conn=session_a) is not None
         setter = _Background(lambda: queue.channel("hot").set_policy(max_concurrency=2))
         # Once the setter waits for A's row it holds the channel's exclusive lock (a fixed
-        # sleep was too short on a loaded machine).
+        # sleep was too short on a loaded machine). Only a backend A blocks counts: another
+        # client of the server (a second test run) may be setting a policy too.
         deadline = time.monotonic() + 30
-        waiting = "SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock'" + (
-            " AND query LIKE '%%channel_policy_set%%'"
+        waiting = (
+            "SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND %s = ANY(pg_blocking_pids(pid)) AND query LIKE '%%channel_policy_set%%'"
         )
-        while admin.execute(waiting).fetchone() is None:
+        while admin.execute(waiting, [session_a.info.backend_pid]).fetchone() is None:
             assert time.monotonic() < deadline, "the policy setter never waited for A"
             time.sleep(0.01)
         assert setter.is_alive()

@@ -17,6 +17,7 @@ taking the lock) so that D's second call waits on a test-held advisory lock.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from typing import Any
@@ -27,7 +28,8 @@ from psycopg import sql
 from lonnymq import Message, Queue
 
 LOCK_MS = 60_000
-BARRIER = -424_242
+# This run's own key: advisory locks are shared by every client of the database.
+BARRIER = -1 - secrets.randbits(48)
 
 # channel_key() as sql/schema/20_channel.sql defines it, plus: in a session with
 # lonnymq_test.pause on, the second call of a transaction first waits for the barrier (the test
@@ -54,11 +56,15 @@ $$
 """
 
 
-def _wait_for_a_waiter(admin: psycopg.Connection[Any]) -> None:
+def _wait_for_a_waiter(admin: psycopg.Connection[Any], pids: list[int]) -> None:
+    """Return once session D (its pid lands in ``pids``) waits for an advisory lock: only D,
+    since another client of the server (a second test run) may be waiting for one too."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         row = admin.execute(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND pid = ANY(%s)",
+            [pids],
         ).fetchone()
         if row is not None and row[0] > 0:
             return
@@ -78,10 +84,12 @@ def test_create_committing_during_rotate_is_not_stranded(
     admin.execute("SELECT pg_advisory_lock(%s)", (BARRIER,))
     got: list[Message | None] = []
     errors: list[BaseException] = []
+    d_pids: list[int] = []
 
     def session_d() -> None:
         try:
             with psycopg.connect(dsn) as conn:
+                d_pids.append(conn.info.backend_pid)
                 conn.execute("SET lonnymq_test.pause = 'on'")
                 got.append(queue.dequeue(lock_ms=LOCK_MS, conn=conn))
                 conn.commit()
@@ -91,7 +99,7 @@ def test_create_committing_during_rotate_is_not_stranded(
     thread = threading.Thread(target=session_d)
     thread.start()
     try:
-        _wait_for_a_waiter(admin)
+        _wait_for_a_waiter(admin, d_pids)
         # Session C: a ready message in the same channel, committed while D is paused.
         queue.create(b"second", channel="a")
     finally:

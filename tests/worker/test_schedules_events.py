@@ -406,15 +406,7 @@ def test_two_transactions_declaring_schedules_queue_up_instead_of_deadlocking(
         other = threading.Thread(target=declare_s1)
         other.start()
         # The other declaration is waiting (for the first transaction) before going on.
-        deadline = time.monotonic() + 30
-        with psycopg.connect(dsn, autocommit=True) as watcher:
-            while watcher.execute(
-                "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE %s)",
-                ["%schedule_set('s1', 'spec', 0)%"],
-            ).fetchone() != (True,):
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        _waiting_for_a_lock(dsn, first.info.backend_pid, "%schedule_set('s1', 'spec', 0)%")
         first.execute("SELECT * FROM schedule_set('s2', 'spec2', 0)")
         first.commit()
         other.join(timeout=30)
@@ -429,15 +421,17 @@ def test_two_transactions_declaring_schedules_queue_up_instead_of_deadlocking(
     assert drivers == [("s1", b"spec"), ("s2", b"spec2")]
 
 
-def _waiting_for_a_lock(dsn: str, *patterns: str) -> None:
-    """Return once a session running a query like one of ``patterns`` waits for a lock."""
+def _waiting_for_a_lock(dsn: str, blocker_pid: int, *patterns: str) -> None:
+    """Return once a session running a query like one of ``patterns`` waits for a lock held by
+    backend ``blocker_pid`` (only such a one: another client of the server, a second test run,
+    may run the same query)."""
     deadline = time.monotonic() + 30
     likes = " OR ".join(["query LIKE %s"] * len(patterns))
     with psycopg.connect(dsn, autocommit=True) as watcher:
         while watcher.execute(
-            "SELECT EXISTS (SELECT FROM pg_stat_activity"
-            f" WHERE wait_event_type = 'Lock' AND ({likes}))",
-            list(patterns),
+            "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            f" AND %s = ANY(pg_blocking_pids(pid)) AND ({likes}))",
+            [blocker_pid, *patterns],
         ).fetchone() != (True,):
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -465,7 +459,7 @@ def test_a_policy_then_a_schedule_in_one_transaction_beside_a_declaration(
         first.execute("SELECT channel_policy_set(%s, NULL, NULL, 100)", [SCHEDULE_CHANNEL])
         thread = threading.Thread(target=declare_y)
         thread.start()
-        _waiting_for_a_lock(dsn, "%schedule_set('y'%")
+        _waiting_for_a_lock(dsn, first.info.backend_pid, "%schedule_set('y'%")
         try:
             first.execute("SELECT * FROM schedule_set('x', 'spec', 100000000000000)")
             first.commit()
@@ -502,7 +496,7 @@ def test_a_removal_then_a_declaration_beside_two_declarations(queue: Queue, dsn:
 
         thread = threading.Thread(target=remove_then_declare)
         thread.start()
-        _waiting_for_a_lock(dsn, "%schedule_set('s3'%", "%schedule_remove%")
+        _waiting_for_a_lock(dsn, first.info.backend_pid, "%schedule_set('s3'%", "%schedule_remove%")
         try:
             first.execute("SELECT * FROM schedule_set('s1', 'spec1', %s)", (far,))
             first.commit()

@@ -79,11 +79,14 @@ class _Runner:
         return self.stats[0]
 
 
-def _waiting_reports(admin: psycopg.Connection[Any]) -> list[int]:
-    """Backends waiting for a lock in a statement that finishes a message."""
+def _waiting_reports(admin: psycopg.Connection[Any], holder_pid: int) -> list[int]:
+    """Backends waiting, behind ``holder_pid``, for a lock in a statement that finishes a
+    message (only those: another client of the server, a second test run, may have some)."""
     rows = admin.execute(
         "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-        " AND (query LIKE '%message_settle%' OR query LIKE '%message_delete%')"
+        " AND %s = ANY(pg_blocking_pids(pid))"
+        " AND (query LIKE '%%message_settle%%' OR query LIKE '%%message_delete%%')",
+        [holder_pid],
     ).fetchall()
     return [row[0] for row in rows]
 
@@ -115,7 +118,7 @@ def test_a_run_reporting_when_the_grace_period_ends_is_not_given_back(
             sql.SQL("SELECT 1 FROM {}.message FOR UPDATE").format(sql.Identifier(queue.schema))
         )
         released.set()  # the handler returns; its report now waits for the row
-        while not _waiting_reports(admin):
+        while not _waiting_reports(admin, holder.info.backend_pid):
             assert time.monotonic() < deadline
             time.sleep(0.005)
         runner.stop()
@@ -123,7 +126,7 @@ def test_a_run_reporting_when_the_grace_period_ends_is_not_given_back(
         # Make the report fail (as on a lost connection) until the grace period has ended:
         # it then sleeps between retries (0.1, 0.2, 0.4 s...) while the worker decides.
         while time.monotonic() < stopped + GRACE_S + 0.05:
-            for pid in _waiting_reports(admin):
+            for pid in _waiting_reports(admin, holder.info.backend_pid):
                 admin.execute("SELECT pg_cancel_backend(%s)", (pid,))
             time.sleep(0.005)
         time.sleep(1.0)
