@@ -25,15 +25,9 @@ BEGIN
     PERFORM arg_check(char_length(p_host) <= 255, 'host must be at most 255 characters');
     PERFORM arg_check(p_pid >= 0, format('pid must be 0 or more, got %s',
         coalesce(p_pid::TEXT, 'NULL')));
-    PERFORM arg_check(p_every_ms BETWEEN 1 AND 86400000,
-        format('every_ms must be between 1 and 86400000, got %s',
-            coalesce(p_every_ms::TEXT, 'NULL')));
-    PERFORM arg_check(p_concurrency BETWEEN 1 AND 1000000,
-        format('concurrency must be between 1 and 1000000, got %s',
-            coalesce(p_concurrency::TEXT, 'NULL')));
-    PERFORM arg_check(p_running BETWEEN 0 AND 1000000,
-        format('running must be between 0 and 1000000, got %s',
-            coalesce(p_running::TEXT, 'NULL')));
+    PERFORM arg_check_range('every_ms', p_every_ms, 1, 86400000);
+    PERFORM arg_check_range('concurrency', p_concurrency, 1, 1000000);
+    PERFORM arg_check_range('running', p_running, 0, 1000000);
     PERFORM arg_check(
         coalesce(cardinality(p_message_ids), -1) BETWEEN 0 AND 100
             AND cardinality(p_channels) = cardinality(p_message_ids)
