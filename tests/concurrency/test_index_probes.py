@@ -711,7 +711,7 @@ SEQSCAN_ALLOWED = {
     "maintenance_due", "maintenance_vacuumed", "schema_version",
     # Reports, administration and repair: the planner's choice, for the sizes they read.
     "archive_list", "archive_replay", "channel_stats", "queue_verify", "schedule_list",
-    "schedule_remove", "schedule_set", "secure_functions",
+    "schedule_remove", "schedule_set", "schema_functions", "secure_functions",
 }  # fmt: skip
 # Set-based paths planned for their own sizes (Spark), and role administration.
 SEQSCAN_ALLOWED_PREFIXES = ("spark_", "role_")
