@@ -710,7 +710,8 @@ def test_every_function_probing_for_heads_plans_no_bitmap(
 SEQSCAN_ALLOWED = {
     # No table of their own: checks, wrappers of functions that have the setting, arithmetic.
     "arg_check", "arg_check_channel", "arg_check_claim", "arg_check_dedup_key",
-    "arg_check_lock_ms", "arg_check_payload", "arg_check_time", "channel_key",
+    "arg_check_lock_ms", "arg_check_payload", "arg_check_range", "arg_check_time",
+    "arg_check_worker_id", "channel_key",
     "channel_servable_at", "message_check_new", "message_complete_and_dequeue", "message_defer",
     "message_delete", "message_dequeue", "message_dequeue_many", "message_finish",
     "message_requeue", "schedule_check_name",
@@ -720,7 +721,7 @@ SEQSCAN_ALLOWED = {
     "maintenance_due", "maintenance_vacuumed", "schema_version",
     # Reports, administration and repair: the planner's choice, for the sizes they read.
     "archive_list", "archive_replay", "channel_stats", "queue_verify", "schedule_list",
-    "schedule_remove", "schedule_set", "secure_functions",
+    "schedule_remove", "schedule_set", "schema_functions", "secure_functions",
 }  # fmt: skip
 # Set-based paths planned for their own sizes (Spark), and role administration.
 SEQSCAN_ALLOWED_PREFIXES = ("spark_", "role_")

@@ -1,6 +1,31 @@
 -- Channel policies (max_concurrency, release_interval_ms, max_size) and per-channel stats.
 
 
+-- channel_policy_lock(): open a channel for a policy change: check its name, take its
+-- exclusive advisory lock (waiting for operations in flight on it), then lock its row, with
+-- p_create creating it first (channel_lock). Returns the row, all NULL when there is none.
+-- Locks: the channel's exclusive advisory lock, then its row, until the transaction ends.
+-- Raises: LQ005; 40001 (p_create, as channel_lock).
+CREATE OR REPLACE FUNCTION channel_policy_lock(p_channel TEXT, p_create BOOLEAN DEFAULT FALSE)
+RETURNS channel
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_channel channel;
+BEGIN
+    PERFORM arg_check_channel(p_channel);
+    PERFORM pg_advisory_xact_lock(channel_key(p_channel));
+    IF p_create THEN
+        RETURN channel_lock(p_channel);
+    END IF;
+    SELECT * INTO v_channel FROM channel c WHERE c.name = p_channel FOR UPDATE;
+    RETURN v_channel;
+END;
+$$;
+
+
 -- channel_policy_set(): set a channel's policy; NULL means unlimited. It applies at once to
 -- the live channel (a lower max_concurrency lets in-flight messages finish; a lower max_size
 -- keeps the messages already there) and stays when the channel empties. A channel that had no
@@ -22,7 +47,6 @@ DECLARE
     v_next_at BIGINT;
     v_concurrency BIGINT;
 BEGIN
-    PERFORM arg_check_channel(p_channel);
     PERFORM arg_check(p_max_concurrency IS NULL OR p_max_concurrency >= 0,
         format('max_concurrency must be >= 0 (0 pauses the channel), got %s',
             p_max_concurrency), 'LQ004');
@@ -33,8 +57,7 @@ BEGIN
     PERFORM arg_check(p_max_size IS NULL OR p_max_size >= 0,
         format('max_size must be >= 0, got %s', p_max_size), 'LQ004');
 
-    PERFORM pg_advisory_xact_lock(channel_key(p_channel));
-    v_channel := channel_lock(p_channel);
+    v_channel := channel_policy_lock(p_channel, p_create => TRUE);
     DELETE FROM channel_pause p WHERE p.name = p_channel;
     v_next_at := channel_next_at(p_channel,
         v_channel.last_dequeue_at + coalesce(p_release_interval_ms, 0));
@@ -75,11 +98,9 @@ DECLARE
     v_channel channel;
     v_next_at BIGINT;
 BEGIN
-    PERFORM arg_check_channel(p_channel);
-    PERFORM pg_advisory_xact_lock(channel_key(p_channel));
+    v_channel := channel_policy_lock(p_channel);
     DELETE FROM channel_pause p WHERE p.name = p_channel;
-    SELECT * INTO v_channel FROM channel c WHERE c.name = p_channel FOR UPDATE;
-    IF NOT FOUND OR NOT v_channel.has_policy THEN
+    IF v_channel.name IS NULL OR NOT v_channel.has_policy THEN
         RETURN;
     END IF;
     v_next_at := channel_next_at(p_channel, v_channel.last_dequeue_at);
@@ -111,9 +132,7 @@ AS $$
 DECLARE
     v_channel channel;
 BEGIN
-    PERFORM arg_check_channel(p_channel);
-    PERFORM pg_advisory_xact_lock(channel_key(p_channel));
-    SELECT * INTO v_channel FROM channel c WHERE c.name = p_channel FOR UPDATE;
+    v_channel := channel_policy_lock(p_channel);
     IF v_channel.max_concurrency = 0 THEN
         RETURN;
     END IF;
@@ -138,9 +157,7 @@ DECLARE
     v_channel channel;
     v_limit INTEGER;
 BEGIN
-    PERFORM arg_check_channel(p_channel);
-    PERFORM pg_advisory_xact_lock(channel_key(p_channel));
-    SELECT * INTO v_channel FROM channel c WHERE c.name = p_channel FOR UPDATE;
+    v_channel := channel_policy_lock(p_channel);
     IF v_channel.max_concurrency IS DISTINCT FROM 0 THEN
         RETURN;
     END IF;

@@ -3,6 +3,18 @@
 -- dashboard reads the table (dashboard_workers). Nothing here is written per message.
 
 
+-- arg_check_worker_id(): a worker id is 1 to 64 characters.
+-- Locks: none. Raises: LQ003.
+CREATE OR REPLACE FUNCTION arg_check_worker_id(p_id TEXT) RETURNS VOID
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    PERFORM arg_check(char_length(p_id) BETWEEN 1 AND 64, 'worker id must be 1 to 64 characters');
+END;
+$$;
+
+
 -- worker_report(): upsert worker p_id's row: its host and pid, how often it reports
 -- (p_every_ms), its concurrency, the handlers it runs now (p_running) and the ids and channels
 -- of up to 100 of them; a row already marked stopped is left as it is. Then delete the rows
@@ -21,19 +33,13 @@ AS $$
 DECLARE
     v_now BIGINT := epoch();
 BEGIN
-    PERFORM arg_check(char_length(p_id) BETWEEN 1 AND 64, 'worker id must be 1 to 64 characters');
+    PERFORM arg_check_worker_id(p_id);
     PERFORM arg_check(char_length(p_host) <= 255, 'host must be at most 255 characters');
     PERFORM arg_check(p_pid >= 0, format('pid must be 0 or more, got %s',
         coalesce(p_pid::TEXT, 'NULL')));
-    PERFORM arg_check(p_every_ms BETWEEN 1 AND 86400000,
-        format('every_ms must be between 1 and 86400000, got %s',
-            coalesce(p_every_ms::TEXT, 'NULL')));
-    PERFORM arg_check(p_concurrency BETWEEN 1 AND 1000000,
-        format('concurrency must be between 1 and 1000000, got %s',
-            coalesce(p_concurrency::TEXT, 'NULL')));
-    PERFORM arg_check(p_running BETWEEN 0 AND 1000000,
-        format('running must be between 0 and 1000000, got %s',
-            coalesce(p_running::TEXT, 'NULL')));
+    PERFORM arg_check_range('every_ms', p_every_ms, 1, 86400000);
+    PERFORM arg_check_range('concurrency', p_concurrency, 1, 1000000);
+    PERFORM arg_check_range('running', p_running, 0, 1000000);
     PERFORM arg_check(
         coalesce(cardinality(p_message_ids), -1) BETWEEN 0 AND 100
             AND cardinality(p_channels) = cardinality(p_message_ids)
@@ -66,7 +72,7 @@ AS $$
 DECLARE
     v_now BIGINT := epoch();
 BEGIN
-    PERFORM arg_check(char_length(p_id) BETWEEN 1 AND 64, 'worker id must be 1 to 64 characters');
+    PERFORM arg_check_worker_id(p_id);
     UPDATE worker w SET stopped_at = v_now, seen_at = v_now, running = 0,
         message_ids = '{}', channels = '{}'
     WHERE w.id = p_id;

@@ -100,6 +100,21 @@ END;
 $$;
 
 
+-- schema_functions(): the functions of the queue's schema, by name, each with its identity
+-- arguments (as GRANT and ALTER FUNCTION name it).
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION schema_functions() RETURNS TABLE (name TEXT, args TEXT)
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+AS $$
+    SELECT p.proname::TEXT, pg_get_function_identity_arguments(p.oid)
+    FROM pg_proc p
+    WHERE p.pronamespace = (SELECT n.oid FROM pg_namespace n WHERE n.nspname = current_schema())
+      AND p.prokind = 'f'
+    ORDER BY p.proname
+$$;
+
+
 -- role_strip(): take every right on the queue's schema and its objects from p_role.
 -- Locks: none of ours (GRANT's catalog locks). Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION role_strip(p_role TEXT) RETURNS VOID
@@ -134,14 +149,11 @@ BEGIN
     PERFORM role_strip(p_role);
     EXECUTE format('GRANT USAGE ON SCHEMA %I TO %I', v_schema, p_role);
     FOR v_function IN
-        SELECT p.proname, pg_get_function_identity_arguments(p.oid) AS args
-        FROM pg_proc p
-        WHERE p.pronamespace = (SELECT n.oid FROM pg_namespace n WHERE n.nspname = v_schema)
-          AND p.proname = ANY (role_kind_functions(p_kind))
-        ORDER BY p.proname
+        SELECT f.name, f.args FROM schema_functions() f
+        WHERE f.name = ANY (role_kind_functions(p_kind))
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %I.%I(%s) TO %I',
-            v_schema, v_function.proname, v_function.args, p_role);
+            v_schema, v_function.name, v_function.args, p_role);
         v_count := v_count + 1;
     END LOOP;
     EXECUTE format('GRANT INSERT ON TABLE %I.spark_stage TO %I', v_schema, p_role);
@@ -218,18 +230,15 @@ DECLARE
     v_grant RECORD;
 BEGIN
     FOR v_function IN
-        SELECT p.proname, pg_get_function_identity_arguments(p.oid) AS args
-        FROM pg_proc p
-        WHERE p.pronamespace = (SELECT n.oid FROM pg_namespace n WHERE n.nspname = v_schema)
-          AND p.prokind = 'f'
-          -- Plain SQL helpers the planner inlines into their callers (channel_key): a
-          -- SET clause or SECURITY DEFINER would stop that. They name pg_catalog themselves,
-          -- touch no table, and lose EXECUTE for PUBLIC below like every function.
-          AND p.proname <> ALL (ARRAY['channel_key'])
+        SELECT f.name, f.args FROM schema_functions() f
+        -- Plain SQL helpers the planner inlines into their callers (channel_key): a
+        -- SET clause or SECURITY DEFINER would stop that. They name pg_catalog themselves,
+        -- touch no table, and lose EXECUTE for PUBLIC below like every function.
+        WHERE f.name <> ALL (ARRAY['channel_key'])
     LOOP
         EXECUTE format(
             'ALTER FUNCTION %I.%I(%s) SECURITY DEFINER SET search_path = %I, pg_catalog, pg_temp',
-            v_schema, v_function.proname, v_function.args, v_schema);
+            v_schema, v_function.name, v_function.args, v_schema);
     END LOOP;
     EXECUTE format('REVOKE ALL ON ALL FUNCTIONS IN SCHEMA %I FROM PUBLIC', v_schema);
     EXECUTE format('REVOKE ALL ON ALL TABLES IN SCHEMA %I FROM PUBLIC', v_schema);

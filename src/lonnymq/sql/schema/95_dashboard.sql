@@ -26,9 +26,7 @@ AS $$
 DECLARE
     v_now BIGINT := epoch();
 BEGIN
-    PERFORM arg_check(p_window_ms BETWEEN 1 AND 3600000,
-        format('window_ms must be between 1 and 3600000, got %s',
-            coalesce(p_window_ms::TEXT, 'NULL')));
+    PERFORM arg_check_range('window_ms', p_window_ms, 1, 3600000);
     now_ms := v_now;
     -- message_channel_head_ix holds exactly the unlocked messages, with their due times.
     SELECT count(*), count(*) FILTER (WHERE m.dequeue_at <= v_now)
@@ -88,11 +86,8 @@ DECLARE
 BEGIN
     PERFORM arg_check(p_sort IN ('name', '-name', 'due'),
         format('sort must be name, -name or due, got %s', coalesce(quote_literal(p_sort), 'NULL')));
-    PERFORM arg_check(p_limit BETWEEN 1 AND 1000,
-        format('limit must be between 1 and 1000, got %s', coalesce(p_limit::TEXT, 'NULL')));
-    PERFORM arg_check(p_count_cap BETWEEN 1 AND 10000000,
-        format('count_cap must be between 1 and 10000000, got %s',
-            coalesce(p_count_cap::TEXT, 'NULL')));
+    PERFORM arg_check_range('limit', p_limit, 1, 1000);
+    PERFORM arg_check_range('count_cap', p_count_cap, 1, 10000000);
     IF p_only IS NOT NULL THEN
         SELECT array_agg(c.name) INTO v_names FROM channel c WHERE c.name = p_only;
     ELSIF p_sort = 'name' THEN
@@ -170,11 +165,8 @@ SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
 AS $$
 BEGIN
     PERFORM arg_check_channel(p_channel);
-    PERFORM arg_check(p_limit BETWEEN 1 AND 1000,
-        format('limit must be between 1 and 1000, got %s', coalesce(p_limit::TEXT, 'NULL')));
-    PERFORM arg_check(p_preview_bytes BETWEEN 0 AND 65536,
-        format('preview_bytes must be between 0 and 65536, got %s',
-            coalesce(p_preview_bytes::TEXT, 'NULL')));
+    PERFORM arg_check_range('limit', p_limit, 1, 1000);
+    PERFORM arg_check_range('preview_bytes', p_preview_bytes, 0, 65536);
     IF p_locked THEN
         RETURN QUERY SELECT m.id, m.num_attempts, m.dequeue_at, m.unlock_at, m.created_at,
                 substring(m.content FROM 1 FOR p_preview_bytes), octet_length(m.content),
@@ -231,17 +223,10 @@ DECLARE
     v_ids BIGINT[];
     v_next BIGINT;
 BEGIN
-    PERFORM arg_check(p_limit BETWEEN 1 AND 1000,
-        format('limit must be between 1 and 1000, got %s', coalesce(p_limit::TEXT, 'NULL')));
-    PERFORM arg_check(p_scan_cap BETWEEN 1 AND 1000000,
-        format('scan_cap must be between 1 and 1000000, got %s',
-            coalesce(p_scan_cap::TEXT, 'NULL')));
-    PERFORM arg_check(p_preview_bytes BETWEEN 0 AND 65536,
-        format('preview_bytes must be between 0 and 65536, got %s',
-            coalesce(p_preview_bytes::TEXT, 'NULL')));
-    PERFORM arg_check(p_error_chars BETWEEN 0 AND 1000000,
-        format('error_chars must be between 0 and 1000000, got %s',
-            coalesce(p_error_chars::TEXT, 'NULL')));
+    PERFORM arg_check_range('limit', p_limit, 1, 1000);
+    PERFORM arg_check_range('scan_cap', p_scan_cap, 1, 1000000);
+    PERFORM arg_check_range('preview_bytes', p_preview_bytes, 0, 65536);
+    PERFORM arg_check_range('error_chars', p_error_chars, 0, 1000000);
     PERFORM arg_check(p_outcome IS NULL OR char_length(p_outcome) BETWEEN 1 AND 64,
         'outcome must be 1 to 64 characters');
     IF p_channel IS NOT NULL THEN
@@ -314,11 +299,8 @@ SET search_path FROM CURRENT
 SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
 AS $$
 BEGIN
-    PERFORM arg_check(p_limit BETWEEN 1 AND 1000,
-        format('limit must be between 1 and 1000, got %s', coalesce(p_limit::TEXT, 'NULL')));
-    PERFORM arg_check(p_spec_bytes BETWEEN 0 AND 67108864,
-        format('spec_bytes must be between 0 and 67108864, got %s',
-            coalesce(p_spec_bytes::TEXT, 'NULL')));
+    PERFORM arg_check_range('limit', p_limit, 1, 1000);
+    PERFORM arg_check_range('spec_bytes', p_spec_bytes, 0, 67108864);
     RETURN QUERY SELECT m.dedup_key,
             CASE WHEN octet_length(m.content) <= p_spec_bytes THEN m.content END,
             octet_length(m.content), m.dequeue_at, m.state, m.is_locked
@@ -347,8 +329,7 @@ SET search_path FROM CURRENT
 SET enable_seqscan = off SET jit = off
 AS $$
 BEGIN
-    PERFORM arg_check(p_limit BETWEEN 1 AND 10000,
-        format('limit must be between 1 and 10000, got %s', coalesce(p_limit::TEXT, 'NULL')));
+    PERFORM arg_check_range('limit', p_limit, 1, 10000);
     RETURN QUERY SELECT w.id, w.host, w.pid, w.started_at, w.seen_at, w.every_ms,
             w.concurrency, w.running, w.message_ids, w.channels, w.stopped_at, epoch()
         FROM worker w
