@@ -48,6 +48,25 @@ END;
 $$;
 
 
+-- arg_check_range(): argument p_name (its name, for the message) is p_min to p_max, not
+-- NULL. Returns at once for a good value.
+-- Locks: none. Raises: LQ003.
+CREATE OR REPLACE FUNCTION arg_check_range(
+    p_name TEXT, p_value BIGINT, p_min BIGINT, p_max BIGINT
+) RETURNS VOID
+LANGUAGE plpgsql IMMUTABLE
+SET search_path FROM CURRENT
+AS $$
+BEGIN
+    IF p_value BETWEEN p_min AND p_max THEN
+        RETURN;
+    END IF;
+    PERFORM arg_check(FALSE, format('%s must be between %s and %s, got %s',
+        p_name, p_min, p_max, coalesce(p_value::TEXT, 'NULL')));
+END;
+$$;
+
+
 -- arg_check_channel(): a channel name is 1 to 255 characters.
 -- Locks: none. Raises: LQ005.
 CREATE OR REPLACE FUNCTION arg_check_channel(p_channel TEXT) RETURNS VOID

@@ -266,6 +266,43 @@ END;
 $$;
 
 
+-- channel_wait_locked(): message p_id of a channel whose row the caller holds (p_channel, as
+-- locked: a channel with a policy) now waits at p_at: count it (p_added to the size, p_freed
+-- slots given back when the channel has max_concurrency), bring the channel's next dequeue
+-- time forward to it when that is sooner (no sooner than the release interval allows) and
+-- where its waiting messages begin down to it, and announce the change when the channel got
+-- servable sooner (a worker may be waiting for it).
+-- Locks: the channel row (held by the caller). Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_wait_locked(
+    p_channel channel, p_at BIGINT, p_id BIGINT, p_type TEXT, p_added INTEGER, p_freed INTEGER
+) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_next_at BIGINT := least(p_channel.next_dequeue_at, greatest(p_at,
+        p_channel.last_dequeue_at + coalesce(p_channel.release_interval_ms, 0)));
+    v_concurrency BIGINT := CASE WHEN p_channel.max_concurrency IS NULL THEN 0
+                                 ELSE p_channel.current_concurrency - p_freed END;
+BEGIN
+    UPDATE channel c SET
+        current_size = c.current_size + p_added,
+        current_concurrency = v_concurrency,
+        next_dequeue_at = v_next_at,
+        (head_at, head_id) = (
+            SELECT k.at, k.id FROM (VALUES (c.head_at, c.head_id), (p_at, p_id)) k(at, id)
+            ORDER BY k.at, k.id LIMIT 1)
+    WHERE c.name = p_channel.name;
+    PERFORM channel_announce(
+        channel_servable_at(p_channel.next_dequeue_at, p_channel.current_concurrency,
+            p_channel.max_concurrency),
+        channel_servable_at(v_next_at, v_concurrency, p_channel.max_concurrency),
+        p_type, p_id, p_channel.name);
+END;
+$$;
+
+
 -- channel_rotate(): send a channel to the back after a dequeue: its next time becomes its next
 -- waiting message's dequeue_at (not before p_now when it was just served), and its row goes
 -- when nothing waits. Pushing the time later or deleting the row needs the channel's exclusive

@@ -50,37 +50,6 @@ END;
 $$;
 
 
--- message_create_settle(): a message due at p_at was added to a locked channel: count it and
--- bring the channel's next dequeue time forward when the message makes it sooner (announcing
--- that, since a worker may be waiting for it).
--- Locks: the channel row (held by the caller). Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION message_create_settle(p_channel channel, p_at BIGINT, p_id BIGINT)
-RETURNS VOID
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-SET enable_seqscan = off SET jit = off
-AS $$
-DECLARE
-    v_next_at BIGINT := least(p_channel.next_dequeue_at, greatest(p_at,
-        p_channel.last_dequeue_at + coalesce(p_channel.release_interval_ms, 0)));
-BEGIN
-    UPDATE channel c SET
-        current_size = c.current_size + 1,
-        next_dequeue_at = v_next_at,
-        -- Where its waiting messages begin, when this one sorts first (see 20_channel.sql).
-        (head_at, head_id) = (
-            SELECT k.at, k.id FROM (VALUES (c.head_at, c.head_id), (p_at, p_id)) k(at, id)
-            ORDER BY k.at, k.id LIMIT 1)
-    WHERE c.name = p_channel.name;
-    PERFORM channel_announce(
-        channel_servable_at(p_channel.next_dequeue_at, p_channel.current_concurrency,
-            p_channel.max_concurrency),
-        channel_servable_at(v_next_at, p_channel.current_concurrency, p_channel.max_concurrency),
-        'created', p_id, p_channel.name);
-END;
-$$;
-
-
 -- message_create_many_locked(): message_create_many's general path (dedup keys, channels with
 -- a policy): add messages; results come back in input order. For each message: a live message
 -- of the same channel with the same dedup_key (or an earlier item of the batch with that key)
@@ -590,7 +559,7 @@ BEGIN
         INSERT INTO message (channel, content, dequeue_at, dedup_key, created_at)
         VALUES (v_name, p_content, v_at, p_dedup_key, v_now)
         RETURNING message.id INTO v_id;
-        PERFORM message_create_settle(v_channel, v_at, v_id);
+        PERFORM channel_wait_locked(v_channel, v_at, v_id, 'created', 1, 0);
         status := 'created'; id := v_id; channel_size := v_channel.current_size + 1;
         RETURN NEXT;
         RETURN;

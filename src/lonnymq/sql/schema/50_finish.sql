@@ -293,8 +293,6 @@ AS $$
 DECLARE
     v_message message;
     v_channel channel;
-    v_next_at BIGINT;
-    v_concurrency BIGINT;
 BEGIN
     UPDATE message m SET
         is_locked = FALSE,
@@ -314,21 +312,7 @@ BEGIN
         RETURN TRUE;
     END IF;
     SELECT * INTO STRICT v_channel FROM channel c WHERE c.name = v_message.channel FOR UPDATE;
-    v_next_at := least(v_channel.next_dequeue_at, greatest(v_message.dequeue_at,
-        v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0)));
-    v_concurrency := CASE WHEN v_channel.max_concurrency IS NULL THEN 0
-                          ELSE v_channel.current_concurrency - 1 END;
-    UPDATE channel c SET current_concurrency = v_concurrency, next_dequeue_at = v_next_at,
-        (head_at, head_id) = (
-            SELECT k.at, k.id
-            FROM (VALUES (c.head_at, c.head_id), (v_message.dequeue_at, p_id)) k(at, id)
-            ORDER BY k.at, k.id LIMIT 1)
-    WHERE c.name = v_channel.name;
-    PERFORM channel_announce(
-        channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
-            v_channel.max_concurrency),
-        channel_servable_at(v_next_at, v_concurrency, v_channel.max_concurrency),
-        'deferred', p_id, v_channel.name);
+    PERFORM channel_wait_locked(v_channel, v_message.dequeue_at, p_id, 'deferred', 0, 1);
     RETURN TRUE;
 END;
 $$;

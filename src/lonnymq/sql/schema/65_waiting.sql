@@ -139,7 +139,6 @@ DECLARE
     v_now BIGINT := epoch();
     v_message message;
     v_channel channel;
-    v_next_at BIGINT;
 BEGIN
     v_message := message_waiting_lock(p_id, p_channel);
     IF v_message.dequeue_at <= v_now THEN
@@ -157,19 +156,7 @@ BEGIN
         SELECT * INTO STRICT v_channel FROM channel c WHERE c.name = v_message.channel
         FOR UPDATE;
         UPDATE message m SET dequeue_at = v_now WHERE m.id = p_id;
-        v_next_at := least(v_channel.next_dequeue_at, greatest(v_now,
-            v_channel.last_dequeue_at + coalesce(v_channel.release_interval_ms, 0)));
-        UPDATE channel c SET next_dequeue_at = v_next_at,
-            (head_at, head_id) = (
-                SELECT k.at, k.id FROM (VALUES (c.head_at, c.head_id), (v_now, p_id)) k(at, id)
-                ORDER BY k.at, k.id LIMIT 1)
-        WHERE c.name = v_channel.name;
-        PERFORM channel_announce(
-            channel_servable_at(v_channel.next_dequeue_at, v_channel.current_concurrency,
-                v_channel.max_concurrency),
-            channel_servable_at(v_next_at, v_channel.current_concurrency,
-                v_channel.max_concurrency),
-            'ready', p_id, v_channel.name);
+        PERFORM channel_wait_locked(v_channel, v_now, p_id, 'ready', 0, 0);
     END IF;
     RETURN QUERY SELECT v_message.channel, TRUE;
 END;

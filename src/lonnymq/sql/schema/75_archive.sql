@@ -1,26 +1,6 @@
 -- The archive: finished messages, kept when config.archive is on, listed and replayed.
 
 
--- arg_check_range(): argument p_name (its name, for the message) is p_min to p_max, not
--- NULL. Here rather than beside arg_check in 10_core.sql only for now; the range checks of
--- this file, 77_worker.sql and 95_dashboard.sql share it. Returns at once for a good value.
--- Locks: none. Raises: LQ003.
-CREATE OR REPLACE FUNCTION arg_check_range(
-    p_name TEXT, p_value BIGINT, p_min BIGINT, p_max BIGINT
-) RETURNS VOID
-LANGUAGE plpgsql IMMUTABLE
-SET search_path FROM CURRENT
-AS $$
-BEGIN
-    IF p_value BETWEEN p_min AND p_max THEN
-        RETURN;
-    END IF;
-    PERFORM arg_check(FALSE, format('%s must be between %s and %s, got %s',
-        p_name, p_min, p_max, coalesce(p_value::TEXT, 'NULL')));
-END;
-$$;
-
-
 -- archive_list(): archived messages, newest first, optionally of one outcome and channel,
 -- older than p_before_id (for paging). Outcome 'failed' and the like use archive_failed_ix.
 -- Locks: none. Raises: LQ003 (limit outside 1..10000).
