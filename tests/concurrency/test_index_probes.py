@@ -81,6 +81,11 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     # Every due channel's row is held: which one is busy (no lock taken).
     "find_busy": ("SELECT c.name FROM channel c", {"channel": frozenset({"channel_ready_ix"})}),
     "pick_channel": ("c.next_dequeue_at <= v_now", {"channel": frozenset({"channel_ready_ix"})}),
+    # channel_ready_floor(): about once a second, the first servable channel from the low end.
+    "ready_sweep": (
+        "least(c.next_dequeue_at, p_now - 2000)",
+        {"channel": frozenset({"channel_ready_ix"})},
+    ),
     # Does the busy channel have a policy (and, if so, the NOWAIT poll of its row)?
     "busy_policy": ("c.name = v_busy", {"channel": frozenset({"channel_pkey"})}),
     # Ride along: the busy channel's next waiting head, without its row (read in the same
@@ -139,7 +144,9 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     ),
 }
 # Sequences a dequeue reads (a Seq Scan of one is the read of its one value).
-SEQUENCES = frozenset({"lock_gate_seq", "lock_sweep_seq", "message_id_seq"})
+SEQUENCES = frozenset(
+    {"lock_gate_seq", "lock_sweep_seq", "message_id_seq", "ready_floor_seq", "ready_sweep_seq"}
+)
 # A channel without a policy goes to the back (channel_rotate when its next head is not due
 # or it has none); one with a policy has its row updated in place. The look for an expired lock
 # ("recover") runs once the lock gate opens, about once a second, not in every take: a shape

@@ -163,8 +163,66 @@ END;
 $$;
 
 
--- channel_announce(): publish an event when a change made a channel servable sooner than
--- before (the only case where a sleeping worker has a reason to wake).
+-- channel_ready_floor(): from where a take at clock p_now looks for the next due channel in
+-- channel_ready_ix: no servable channel's next time lies below the value it returns, as far
+-- as the queue knows. Two sequences hold it (no row versions, so reading them costs the same
+-- whatever the horizon): ready_floor_seq, the floor, which every change that makes a channel
+-- servable sooner than it brings down at once (channel_ready_lower), and ready_sweep_seq, the
+-- clock of the last look from the low end. About once a second (the first take after the
+-- sweep's clock is a second old, or when the clock moved back) a take looks from the low end
+-- instead, for the first servable channel (rows that other sessions hold count, as the
+-- versions it sees), and sets the floor to its next time, 2 s earlier at most: what a change
+-- committed meanwhile brought lower may be set over (in that race a channel is found by the
+-- next look, up to a second late), and a creator in flight whose transaction began up to 2 s
+-- ago is covered without a race. Otherwise it returns the floor as it is.
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_ready_floor(p_now BIGINT) RETURNS BIGINT
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_sweep BIGINT := (SELECT s.last_value FROM ready_sweep_seq s);
+    v_floor BIGINT;
+BEGIN
+    IF p_now >= v_sweep AND p_now - 1000 < v_sweep THEN
+        RETURN (SELECT f.last_value FROM ready_floor_seq f);
+    END IF;
+    SELECT least(c.next_dequeue_at, p_now - 2000) INTO v_floor
+    FROM channel c
+    WHERE c.next_dequeue_at IS NOT NULL
+      AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+    ORDER BY c.next_dequeue_at, c.turn
+    LIMIT 1;
+    v_floor := coalesce(v_floor, p_now - 2000);
+    PERFORM setval('ready_sweep_seq', p_now);
+    PERFORM setval('ready_floor_seq', v_floor);
+    RETURN v_floor;
+END;
+$$;
+
+
+-- channel_ready_lower(): a channel may now be servable at p_at: bring the ready floor down to
+-- it when it lies below (channel_ready_floor). The sequence is set at once, not at commit: a
+-- take meanwhile only looks lower than it needs to.
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_ready_lower(p_at BIGINT) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+BEGIN
+    IF p_at < (SELECT f.last_value FROM ready_floor_seq f) THEN
+        PERFORM setval('ready_floor_seq', p_at);
+    END IF;
+END;
+$$;
+
+
+-- channel_announce(): a change made a channel servable at p_after (NULL: not servable), at
+-- p_before before it: bring the ready floor down to it (channel_ready_lower), and publish an
+-- event when it is sooner than before (the only case where a sleeping worker has a reason to
+-- wake). Every change that makes a channel servable sooner calls it.
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_announce(
     p_before BIGINT, p_after BIGINT, p_type TEXT, p_id BIGINT, p_channel TEXT
@@ -173,7 +231,11 @@ LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 BEGIN
-    IF p_after IS NOT NULL AND (p_before IS NULL OR p_after < p_before) THEN
+    IF p_after IS NULL THEN
+        RETURN;
+    END IF;
+    PERFORM channel_ready_lower(p_after);
+    IF p_before IS NULL OR p_after < p_before THEN
         PERFORM event_publish(p_type, p_id, p_channel, p_after);
     END IF;
 END;
@@ -342,5 +404,7 @@ BEGIN
     UPDATE channel c SET next_dequeue_at = v_next_at, turn = nextval('channel_turn_seq'),
         last_dequeue_at = CASE WHEN p_served THEN p_now ELSE c.last_dequeue_at END
     WHERE c.name = p_channel;
+    -- (Its head may be older than the clock: one that riders hold, or an early one.)
+    PERFORM channel_ready_lower(v_next_at);
 END;
 $$;

@@ -4,7 +4,9 @@
 -- counted again and its channel slot, never released, stays taken), looked for only once the
 -- clock has reached the lock gate, so about once a second rather than by every take (see
 -- message_recover); otherwise the head of the channel with the earliest next dequeue time
--- that is under its concurrency limit. That channel's next time moves to max(next head's
+-- that is under its concurrency limit (looked for from the ready floor, channel_ready_floor,
+-- and the head from where the channel's row says its waiting messages begin, channel_first:
+-- neither walks what a long transaction keeps in the indexes). That channel's next time moves to max(next head's
 -- dequeue_at, now + release interval) and it goes behind channels with the same time (round
 -- robin). When every due channel's row is held by
 -- another dequeue, a channel without a policy is served anyway: its next waiting heads are
@@ -85,6 +87,8 @@ DECLARE
     -- The clock as this call starts (see message_dequeue_loop).
     v_now BIGINT := epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT;
     v_gate BIGINT := (SELECT g.last_value FROM lock_gate_seq g);
+    -- Where the next due channel is looked for (channel_ready_floor).
+    v_floor BIGINT := channel_ready_floor(v_now);
     v_message message;
     v_channel channel;
     v_busy TEXT;
@@ -107,7 +111,7 @@ BEGIN
     SELECT * INTO v_channel FROM channel c
     WHERE c.next_dequeue_at IS NOT NULL
       AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
-      AND c.next_dequeue_at <= v_now
+      AND c.next_dequeue_at >= v_floor AND c.next_dequeue_at <= v_now
     ORDER BY c.next_dequeue_at, c.turn
     LIMIT 1
     FOR UPDATE SKIP LOCKED;
@@ -158,7 +162,7 @@ BEGIN
     SELECT c.name INTO v_busy FROM channel c
     WHERE c.next_dequeue_at IS NOT NULL
       AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
-      AND c.next_dequeue_at <= v_now
+      AND c.next_dequeue_at >= v_floor AND c.next_dequeue_at <= v_now
     ORDER BY c.next_dequeue_at, c.turn
     LIMIT 1;
     IF NOT FOUND THEN
@@ -235,6 +239,8 @@ DECLARE
     v_retry_at BIGINT;
     -- Whether to look for expired locks: once the lock gate says one may have.
     v_gate BIGINT := (SELECT g.last_value FROM lock_gate_seq g);
+    -- Where the next due channel is looked for (channel_ready_floor).
+    v_floor BIGINT := channel_ready_floor(v_now);
     v_recover BOOLEAN := v_now >= v_gate;
     v_found BOOLEAN;
     v_waited BOOLEAN := FALSE;
@@ -289,7 +295,7 @@ BEGIN
                     WHERE c.next_dequeue_at IS NOT NULL
                       AND (c.max_concurrency IS NULL
                            OR c.current_concurrency < c.max_concurrency)
-                      AND c.next_dequeue_at <= v_now
+                      AND c.next_dequeue_at >= v_floor AND c.next_dequeue_at <= v_now
                     ORDER BY c.next_dequeue_at, c.turn
                     LIMIT p_limit - v_taken
                     FOR UPDATE SKIP LOCKED);
@@ -406,7 +412,7 @@ BEGIN
                           -- (What channel_ready_ix holds: redundant with NOT has_policy.)
                           AND (c.max_concurrency IS NULL
                                OR c.current_concurrency < c.max_concurrency)
-                          AND c.next_dequeue_at <= v_now
+                          AND c.next_dequeue_at >= v_floor AND c.next_dequeue_at <= v_now
                           AND NOT c.has_policy
                           AND c.name <> ALL (v_passed)
                           AND c.name <> ALL (v_free)
@@ -504,7 +510,7 @@ BEGIN
             SELECT * INTO v_channel FROM channel c
             WHERE c.next_dequeue_at IS NOT NULL
               AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
-              AND c.next_dequeue_at <= v_now
+              AND c.next_dequeue_at >= v_floor AND c.next_dequeue_at <= v_now
               AND c.name <> ALL (v_passed)
             ORDER BY c.next_dequeue_at, c.turn
             LIMIT 1
@@ -516,7 +522,7 @@ BEGIN
                 SELECT c.name INTO v_busy FROM channel c
                 WHERE c.next_dequeue_at IS NOT NULL
                   AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
-                  AND c.next_dequeue_at <= v_now
+                  AND c.next_dequeue_at >= v_floor AND c.next_dequeue_at <= v_now
                   AND c.name <> ALL (v_passed)
                 ORDER BY c.next_dequeue_at, c.turn
                 LIMIT 1;
@@ -688,6 +694,7 @@ BEGIN
             (SELECT c.next_dequeue_at FROM channel c
              WHERE c.next_dequeue_at IS NOT NULL
                AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+               AND c.next_dequeue_at >= v_floor
              ORDER BY c.next_dequeue_at, c.turn LIMIT 1),
             (SELECT m.unlock_at FROM message m
              WHERE m.is_locked
