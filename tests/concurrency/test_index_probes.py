@@ -99,6 +99,11 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     ),
     # The batch path: the heads of several channels without a policy, in one statement.
     "spread_heads": (
+        "m.channel = f.name AND NOT m.is_locked",
+        {"message": frozenset({"message_channel_head_ix", "message_pkey"})},
+    ),
+    # ... riding along on several busy channels (their rows read in the same statement).
+    "ride_many": (
         "m.channel = b.name AND NOT m.is_locked",
         {
             "channel": frozenset({"channel_pkey"}),
@@ -106,14 +111,18 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
         },
     ),
     # ... and those channels to the back, from their next waiting heads (channel_first).
-    "spread_turn_back": ("channel_first(f.name)", {"channel": frozenset({"channel_pkey"})}),
+    "spread_turn_back": (
+        "channel_first_from(f.name, f.head_at, f.head_id)",
+        {"channel": frozenset({"channel_pkey"})},
+    ),
     # A channel's first waiting message, from where its row says they begin (channel_first).
     "first_waiting": (
-        "x.channel = c.name AND NOT x.is_locked",
-        {
-            "channel": frozenset({"channel_pkey"}),
-            "message": frozenset({"message_channel_head_ix"}),
-        },
+        "x.channel = p_channel AND NOT x.is_locked",
+        {"message": frozenset({"message_channel_head_ix"})},
+    ),
+    "first_waiting_row": (
+        "channel_first_from(c.name, c.head_at",
+        {"channel": frozenset({"channel_pkey"})},
     ),
     # channel_head_advance(): that mark moved up to the first waiting message.
     "advance_head": ("SET head_at = f.dequeue_at", {"channel": frozenset({"channel_pkey"})}),
@@ -123,7 +132,10 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     ),
     # message_take_one (a dequeue of one message): the channel whose head it took goes to the
     # back in the statement that reads its next head.
-    "turn_back": ("channel_first(v_channel.name)", {"channel": frozenset({"channel_pkey"})}),
+    "turn_back": (
+        "channel_first_from(v_channel.name, v_channel.head_at, v_channel.head_id)",
+        {"channel": frozenset({"channel_pkey"})},
+    ),
     "update_channel": (
         "n.channel = c.name",
         {
@@ -133,7 +145,7 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     ),
     # channel_rotate() (a channel without a policy): its next waiting head, then its row is
     # updated or, once drained, deleted.
-    "rotate_head": ("channel_first(p_channel)", {}),
+    "rotate_head": ("channel_first_from(p_channel, p_head_at, p_head_id)", {}),
     "rotate_channel": ("c.name = p_channel", {"channel": frozenset({"channel_pkey"})}),
     "retry_at": (
         "SELECT least(",
@@ -698,7 +710,7 @@ def test_every_function_probing_for_heads_plans_no_bitmap(
     }
     # SKIP LOCKED on rows found by primary key only, no head probed.
     probing -= {"message_heartbeat_many"}
-    assert {"message_take_one", "message_dequeue_loop", "channel_first"} <= probing
+    assert {"message_take_one", "message_dequeue_loop", "channel_first_from"} <= probing
     off = {name for name, config, _ in rows if "enable_bitmapscan=off" in (config or [])}
     assert probing <= off, f"probing for heads without enable_bitmapscan=off: {probing - off}"
     queue.create(b"x", channel="a")

@@ -82,9 +82,29 @@ END;
 $$;
 
 
--- channel_first(): the first waiting message of a channel in (dequeue_at, id) order (no row
--- when none waits, or when the channel has no row), read from where its row says its waiting
--- messages begin, in one snapshot with that row. One probe of message_channel_head_ix.
+-- channel_first_from(): the first waiting message of channel p_channel in (dequeue_at, id)
+-- order (no row when none waits), from (p_head_at, p_head_id), where the channel's row says
+-- its waiting messages begin, as a caller that holds the row read it (no writer can bring it
+-- lower while the row is held, and a value read earlier is never too high): the row is not
+-- looked up again, which under a held snapshot would walk every version it left. One probe of
+-- message_channel_head_ix.
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_first_from(p_channel TEXT, p_head_at BIGINT, p_head_id BIGINT)
+RETURNS TABLE (dequeue_at BIGINT, id BIGINT)
+LANGUAGE sql STABLE
+SET search_path FROM CURRENT
+SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
+AS $$
+    SELECT x.dequeue_at, x.id FROM message x
+    WHERE x.channel = p_channel AND NOT x.is_locked
+      AND (x.dequeue_at, x.id) >= (p_head_at, p_head_id)
+    ORDER BY x.dequeue_at, x.id
+    LIMIT 1
+$$;
+
+
+-- channel_first(): as channel_first_from, reading where the waiting messages begin from the
+-- channel's row in the same snapshot (no row when the channel has none).
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_first(p_channel TEXT)
 RETURNS TABLE (dequeue_at BIGINT, id BIGINT)
@@ -92,14 +112,9 @@ LANGUAGE sql STABLE
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$
-    SELECT m.dequeue_at, m.id
+    SELECT f.dequeue_at, f.id
     FROM channel c
-    CROSS JOIN LATERAL (
-        SELECT x.dequeue_at, x.id FROM message x
-        WHERE x.channel = c.name AND NOT x.is_locked
-          AND (x.dequeue_at, x.id) >= (c.head_at, c.head_id)
-        ORDER BY x.dequeue_at, x.id
-        LIMIT 1) m
+    CROSS JOIN LATERAL channel_first_from(c.name, c.head_at, c.head_id) f
     WHERE c.name = p_channel
 $$;
 
@@ -141,7 +156,7 @@ BEGIN
         RETURN;
     END IF;
     UPDATE channel c SET head_at = f.dequeue_at, head_id = f.id
-    FROM channel_first(p_row.name) f
+    FROM channel_first_from(p_row.name, p_row.head_at, p_row.head_id) f
     WHERE c.name = p_row.name;
 END;
 $$;
@@ -371,11 +386,13 @@ $$;
 -- advisory lock, which it only tries; holding it, it reads the next message again (a create that
 -- committed between the first read and the lock would otherwise be left with no row that says
 -- its channel is due: tests/reliability/test_rotate_race.py replays that). Without the lock the
--- time moves at most 10 ms ahead.
+-- time moves at most 10 ms ahead. (p_head_at, p_head_id): where the row says the channel's
+-- waiting messages begin, as the caller read it (channel_first_from).
 -- Locks: the channel row (held by the caller); tries the exclusive advisory lock.
 -- Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION channel_rotate(p_channel TEXT, p_now BIGINT, p_served BOOLEAN)
-RETURNS VOID
+CREATE OR REPLACE FUNCTION channel_rotate(
+    p_channel TEXT, p_head_at BIGINT, p_head_id BIGINT, p_now BIGINT, p_served BOOLEAN
+) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
@@ -385,13 +402,13 @@ DECLARE
 BEGIN
     SELECT CASE WHEN p_served THEN greatest(f.dequeue_at, p_now) ELSE f.dequeue_at END
     INTO v_next_at
-    FROM channel_first(p_channel) f;
+    FROM channel_first_from(p_channel, p_head_at, p_head_id) f;
     IF v_next_at IS NULL OR v_next_at > p_now THEN
         IF pg_try_advisory_xact_lock(channel_key(p_channel)) THEN
             -- Creates that committed since the first read are visible to this statement.
             SELECT CASE WHEN p_served THEN greatest(f.dequeue_at, p_now) ELSE f.dequeue_at END
             INTO v_next_at
-            FROM channel_first(p_channel) f;
+            FROM channel_first_from(p_channel, p_head_at, p_head_id) f;
             IF v_next_at IS NULL THEN
                 DELETE FROM channel c WHERE c.name = p_channel;
                 RETURN;

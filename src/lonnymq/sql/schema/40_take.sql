@@ -137,7 +137,8 @@ BEGIN
         RETURNING m.* INTO v_message;
         IF NOT FOUND THEN
             -- Its heads are held by sessions riding along, or not due yet.
-            PERFORM channel_rotate(v_channel.name, v_now, FALSE);
+            PERFORM channel_rotate(v_channel.name, v_channel.head_at, v_channel.head_id, v_now,
+                FALSE);
             RETURN NULL;
         END IF;
         PERFORM channel_head_advance(v_channel);
@@ -149,10 +150,11 @@ BEGIN
             last_dequeue_at = v_now
         FROM (
             SELECT greatest(f.dequeue_at, v_now) AS next_at
-            FROM channel_first(v_channel.name) f) n
+            FROM channel_first_from(v_channel.name, v_channel.head_at, v_channel.head_id) f) n
         WHERE c.name = v_channel.name AND n.next_at <= v_now;
         IF NOT FOUND THEN
-            PERFORM channel_rotate(v_channel.name, v_now, TRUE);
+            PERFORM channel_rotate(v_channel.name, v_channel.head_at, v_channel.head_id, v_now,
+                TRUE);
         END IF;
         RETURN v_message;
     END IF;
@@ -247,8 +249,12 @@ DECLARE
     v_busy TEXT;
     v_passed TEXT[] := ARRAY[]::TEXT[];
     v_rest TEXT[];
+    v_rest_at BIGINT[];
+    v_rest_id BIGINT[];
     v_spread BOOLEAN := FALSE;
     v_free TEXT[] := ARRAY[]::TEXT[];
+    v_free_at BIGINT[];
+    v_free_id BIGINT[];
     v_due channel[];
     v_share INTEGER;
     v_quota INTEGER;
@@ -301,10 +307,15 @@ BEGIN
                     FOR UPDATE SKIP LOCKED);
                 -- Fewer than asked for: every other due channel's row is held elsewhere.
                 v_rows_held := cardinality(v_due) < p_limit - v_taken;
-                v_free := ARRAY(
-                    SELECT d.name FROM unnest(v_due) AS d
-                    WHERE NOT d.has_policy
-                      AND pg_try_advisory_xact_lock_shared(channel_key(d.name)));
+                -- With where each one's waiting messages begin, as locked (the probes below
+                -- start there without looking the rows up again).
+                SELECT coalesce(array_agg(d.name ORDER BY d.ordinality), ARRAY[]::TEXT[]),
+                       coalesce(array_agg(d.head_at ORDER BY d.ordinality), ARRAY[]::BIGINT[]),
+                       coalesce(array_agg(d.head_id ORDER BY d.ordinality), ARRAY[]::BIGINT[])
+                INTO v_free, v_free_at, v_free_id
+                FROM unnest(v_due) WITH ORDINALITY AS d
+                WHERE NOT d.has_policy
+                  AND pg_try_advisory_xact_lock_shared(channel_key(d.name));
                 -- One slot stays for each channel with a policy among them: the steps below
                 -- serve those (they come first in turn), so a batch never starves them.
                 v_reserved := (SELECT count(*) FROM unnest(v_due) AS d WHERE d.has_policy);
@@ -319,14 +330,14 @@ BEGIN
                     RETURN QUERY
                         WITH picked AS (
                             SELECT h.id, f.ord, h.rn
-                            FROM unnest(v_free) WITH ORDINALITY AS f(name, ord)
-                            JOIN channel b ON b.name = f.name
+                            FROM unnest(v_free, v_free_at, v_free_id)
+                                WITH ORDINALITY AS f(name, head_at, head_id, ord)
                             CROSS JOIN LATERAL (
                                 SELECT x.id, row_number() OVER () AS rn
                                 FROM (
                                     SELECT m.id FROM message m
-                                    WHERE m.channel = b.name AND NOT m.is_locked
-                                      AND (m.dequeue_at, m.id) >= (b.head_at, b.head_id)
+                                    WHERE m.channel = f.name AND NOT m.is_locked
+                                      AND (m.dequeue_at, m.id) >= (f.head_at, f.head_id)
                                       AND m.dequeue_at <= v_now
                                     ORDER BY m.dequeue_at, m.id
                                     LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
@@ -360,13 +371,16 @@ BEGIN
                     -- Send them to the back together: those whose next head is due in one
                     -- statement (new turns in the order they were served), the rest one by
                     -- one (channel_rotate may push them ahead or delete their rows).
-                    PERFORM channel_head_advance(d)
-                    FROM unnest(v_due) AS d WHERE d.name = ANY (v_free);
+                    -- (Tried for every row held: one this batch took nothing from moves
+                    -- only if it can.)
+                    PERFORM channel_head_advance(d) FROM unnest(v_due) AS d;
                     WITH next_heads AS (
-                        SELECT f.name, f.ord,
+                        SELECT f.name, f.ord, f.head_at, f.head_id,
                                (SELECT greatest(h.dequeue_at, v_now)
-                                FROM channel_first(f.name) h) AS next_at
-                        FROM unnest(v_free) WITH ORDINALITY AS f(name, ord)
+                                FROM channel_first_from(f.name, f.head_at, f.head_id) h)
+                                   AS next_at
+                        FROM unnest(v_free, v_free_at, v_free_id)
+                            WITH ORDINALITY AS f(name, head_at, head_id, ord)
                     ), turns AS (
                         SELECT n.name, n.next_at, nextval('channel_turn_seq') AS turn
                         FROM (SELECT h.name, h.next_at FROM next_heads h
@@ -378,11 +392,16 @@ BEGIN
                         WHERE c.name = t.name
                         RETURNING c.name
                     )
-                    SELECT coalesce(array_agg(h.name ORDER BY h.ord), ARRAY[]::TEXT[])
-                    INTO v_rest
+                    SELECT coalesce(array_agg(h.name ORDER BY h.ord), ARRAY[]::TEXT[]),
+                           coalesce(array_agg(h.head_at ORDER BY h.ord), ARRAY[]::BIGINT[]),
+                           coalesce(array_agg(h.head_id ORDER BY h.ord), ARRAY[]::BIGINT[])
+                    INTO v_rest, v_rest_at, v_rest_id
                     FROM next_heads h
                     WHERE h.name NOT IN (SELECT r.name FROM rotated r);
-                    PERFORM channel_rotate(r.name, v_now, TRUE) FROM unnest(v_rest) AS r(name);
+                    PERFORM channel_rotate(r.name, r.head_at, r.head_id, v_now, TRUE)
+                    FROM unnest(v_rest, v_rest_at, v_rest_id)
+                        WITH ORDINALITY AS r(name, head_at, head_id, ord)
+                    ORDER BY r.ord;
                     CONTINUE;
                 END IF;
             END IF;
@@ -636,7 +655,8 @@ BEGIN
                 END IF;
 
                 IF NOT v_channel.has_policy THEN
-                    PERFORM channel_rotate(v_channel.name, v_now, v_found);
+                    PERFORM channel_rotate(v_channel.name, v_channel.head_at,
+                        v_channel.head_id, v_now, v_found);
                 ELSE
                     -- Send the channel to the back: its next time is its new head's
                     -- dequeue_at, but not before the release interval has passed since this
