@@ -83,7 +83,7 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     "pick_channel": ("c.next_dequeue_at <= v_now", {"channel": frozenset({"channel_ready_ix"})}),
     # channel_ready_floor(): about once a second, the first servable channel from the low end.
     "ready_sweep": (
-        "least(c.next_dequeue_at, p_now - 2000)",
+        "LIMIT 1), p_now - 2000)",
         {"channel": frozenset({"channel_ready_ix"})},
     ),
     # Does the busy channel have a policy (and, if so, the NOWAIT poll of its row)?

@@ -688,8 +688,10 @@ class SqlFunction:
         args = [
             sql.SQL("%s::{}").format(sql.SQL(t))
             if t in _SQL_VALUES or t[:-2] in _SQL_VALUES
-            else sql.SQL("NULL::{s}.{t}").format(
-                s=sql.Identifier(schema), t=sql.Identifier(t.split(".")[-1])
+            else sql.SQL("NULL::{s}.{t}{array}").format(
+                s=sql.Identifier(schema),
+                t=sql.Identifier(t.split(".")[-1].removesuffix("[]")),
+                array=sql.SQL("[]" if t.endswith("[]") else ""),
             )
             for i, t in enumerate(self.arg_types)
         ]

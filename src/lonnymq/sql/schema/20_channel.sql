@@ -131,33 +131,45 @@ AS $$
 $$;
 
 
--- channel_head_advance(): after a take from channel p_row (the row as the caller holds it,
--- locked), move where its waiting messages begin up to its first waiting message. Only in a
--- take of message_settle (a worker's group commit, which ends its transaction at once): the
--- exclusive advisory lock it takes is held to commit, and while it is, riders pass the
--- channel and creators in it wait, so a dequeue in a long transaction of its own never takes
--- it. Only when 1,000 ids or more were drawn since the row's mark was set (so that a probe's
--- walk over the entries of the messages taken since stays short, while the lock is tried
--- rarely), only in a READ COMMITTED transaction (the statement that reads the first message
--- must see what committed before the lock), and only when that lock can be had at once (the
--- rules at the top of this file). When nothing waits, the mark stays.
--- Locks: tries the channel's exclusive advisory lock, held to commit when granted.
+-- channel_head_advance(): after a take from the channels p_rows (their rows as the caller holds
+-- them, locked), move where each one's waiting messages begin up to its first waiting message.
+-- Only in a take of message_settle (a worker's group commit, which ends its transaction at
+-- once): the exclusive advisory lock it takes is held to commit, and while it is, riders pass
+-- the channel and creators in it wait, so a dequeue in a long transaction of its own never
+-- takes it. Only in a READ COMMITTED transaction (the statement that reads the first message
+-- must see what committed before the lock); those conditions are read once for all the rows.
+-- Then only for a row whose mark was set 1,000 ids or more ago (so that a probe's walk over
+-- the entries of the messages taken since stays short, while the lock is tried rarely), and
+-- whose channel's exclusive advisory lock can be had at once (the rules at the top of this
+-- file). When nothing waits, the mark stays.
+-- Locks: tries the channels' exclusive advisory locks, held to commit when granted.
 -- Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION channel_head_advance(p_row channel) RETURNS VOID
+CREATE OR REPLACE FUNCTION channel_head_advance(p_rows channel[]) RETURNS VOID
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$
+DECLARE
+    v_last BIGINT;
+    v_locked channel[];
 BEGIN
-    IF (SELECT s.last_value FROM message_id_seq s) - p_row.head_id < 1000
-       OR current_setting('lonnymq.head_advance', TRUE) IS DISTINCT FROM 'on'
-       OR current_setting('transaction_isolation') <> 'read committed'
-       OR NOT pg_try_advisory_xact_lock(channel_key(p_row.name)) THEN
+    IF current_setting('lonnymq.head_advance', TRUE) IS DISTINCT FROM 'on'
+       OR current_setting('transaction_isolation') <> 'read committed' THEN
         RETURN;
     END IF;
+    v_last := (SELECT s.last_value FROM message_id_seq s);
+    v_locked := ARRAY(
+        SELECT r FROM unnest(p_rows) AS r
+        WHERE v_last - r.head_id >= 1000
+          AND pg_try_advisory_xact_lock(channel_key(r.name)));
+    IF cardinality(v_locked) = 0 THEN
+        RETURN;
+    END IF;
+    -- A statement of its own after the locks, so that its snapshot sees what committed before.
     UPDATE channel c SET head_at = f.dequeue_at, head_id = f.id
-    FROM channel_first_from(p_row.name, p_row.head_at, p_row.head_id) f
-    WHERE c.name = p_row.name;
+    FROM unnest(v_locked) AS r
+    CROSS JOIN LATERAL channel_first_from(r.name, r.head_at, r.head_id) f
+    WHERE c.name = r.name;
 END;
 $$;
 
@@ -203,13 +215,14 @@ BEGIN
     IF p_now >= v_sweep AND p_now - 1000 < v_sweep THEN
         RETURN (SELECT f.last_value FROM ready_floor_seq f);
     END IF;
-    SELECT least(c.next_dequeue_at, p_now - 2000) INTO v_floor
-    FROM channel c
-    WHERE c.next_dequeue_at IS NOT NULL
-      AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
-    ORDER BY c.next_dequeue_at, c.turn
-    LIMIT 1;
-    v_floor := coalesce(v_floor, p_now - 2000);
+    -- (least ignores a NULL: no servable channel.)
+    v_floor := least(
+        (SELECT c.next_dequeue_at FROM channel c
+         WHERE c.next_dequeue_at IS NOT NULL
+           AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency)
+         ORDER BY c.next_dequeue_at, c.turn
+         LIMIT 1),
+        p_now - 2000);
     PERFORM setval('ready_sweep_seq', p_now);
     PERFORM setval('ready_floor_seq', v_floor);
     RETURN v_floor;

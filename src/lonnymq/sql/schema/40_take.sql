@@ -141,7 +141,7 @@ BEGIN
                 FALSE);
             RETURN NULL;
         END IF;
-        PERFORM channel_head_advance(v_channel);
+        PERFORM channel_head_advance(ARRAY[v_channel]);
         -- To the back, when its next head is due (channel_rotate's first case); otherwise
         -- channel_rotate pushes it forward or deletes its row.
         UPDATE channel c SET
@@ -371,9 +371,8 @@ BEGIN
                     -- Send them to the back together: those whose next head is due in one
                     -- statement (new turns in the order they were served), the rest one by
                     -- one (channel_rotate may push them ahead or delete their rows).
-                    -- (Tried for every row held: one this batch took nothing from moves
-                    -- only if it can.)
-                    PERFORM channel_head_advance(d) FROM unnest(v_due) AS d;
+                    -- (Every row held: one this batch took nothing from moves only if it can.)
+                    PERFORM channel_head_advance(v_due);
                     WITH next_heads AS (
                         SELECT f.name, f.ord, f.head_at, f.head_id,
                                (SELECT greatest(h.dequeue_at, v_now)
@@ -651,7 +650,7 @@ BEGIN
                 RETURNING m.* INTO v_message;
                 v_found := FOUND;
                 IF v_found THEN
-                    PERFORM channel_head_advance(v_channel);
+                    PERFORM channel_head_advance(ARRAY[v_channel]);
                 END IF;
 
                 IF NOT v_channel.has_policy THEN
