@@ -60,6 +60,10 @@ def _fill(dsn: str, schema: str, messages: int, channels: int) -> None:
                     "running": 20,
                     "message_ids": list(range(n * 20, n * 20 + 20)),
                     "channels": [f"tenant-{i:06d}" for i in range(20)],
+                    "served_ms": 10_000,
+                    "served_channels": [f"tenant-{i:06d}" for i in range(100)],
+                    "served_counts": [100] * 100,
+                    "served_other": 0,
                 },
                 None,
             )

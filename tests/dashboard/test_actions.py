@@ -193,7 +193,12 @@ def worker_role(dsn: str, admin: psycopg.Connection[Any], queue: Queue) -> Itera
     )
     try:
         queue.grant(role, "worker")
-        for function in ("dashboard_overview", "dashboard_channels", "dashboard_channel_messages"):
+        for function in (
+            "dashboard_overview",
+            "dashboard_channels",
+            "dashboard_channel_messages",
+            "dashboard_workers",  # the channel page's service
+        ):
             admin.execute(
                 sql.SQL("GRANT EXECUTE ON FUNCTION {} TO {}").format(
                     sql.Identifier(queue.schema, function), sql.Identifier(role)

@@ -30,6 +30,10 @@ def _report(queue: Queue, worker_id: str, **changes: Any) -> None:
         "running": 0,
         "message_ids": [],
         "channels": [],
+        "served_ms": 0,
+        "served_channels": [],
+        "served_counts": [],
+        "served_other": 0,
     }
     params.update(changes)
     queue._fetch("worker_report", params, None)

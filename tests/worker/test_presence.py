@@ -87,29 +87,136 @@ def test_a_report_is_written_once_a_round_not_per_message(
 ) -> None:
     """With rounds a minute apart, a worker that finishes 200 messages writes its row twice:
     its first report, as it starts, and its stop (counted by a trigger of the test's own)."""
-    schema = sql.Identifier(queue.schema)
-    admin.execute(sql.SQL("CREATE TABLE {}.worker_writes (op TEXT)").format(schema))
-    admin.execute(
-        sql.SQL(
-            "CREATE FUNCTION {}.worker_counted() RETURNS trigger LANGUAGE plpgsql AS $$"
-            " BEGIN INSERT INTO {}.worker_writes VALUES (TG_OP); RETURN NULL; END $$"
-        ).format(schema, schema)
-    )
-    admin.execute(
-        sql.SQL(
-            "CREATE TRIGGER counted AFTER INSERT OR UPDATE OR DELETE ON {}.worker"
-            " FOR EACH ROW EXECUTE FUNCTION {}.worker_counted()"
-        ).format(schema, schema)
-    )
+    read_log = _log_writes(admin, queue, [("op", "TEXT", "TG_OP")], "INSERT OR UPDATE OR DELETE")
     queue.create_many([NewMessage(b"x", channel=f"c{i % 7}") for i in range(200)])
     stats = Worker(queue, lambda m: None, lock_ms=180_000, heartbeat_ms=60_000).run(
         handle_signals=False, until_idle=True
     )
     assert stats.completed == 200
-    writes = admin.execute(sql.SQL("SELECT op FROM {}.worker_writes").format(schema)).fetchall()
+    writes = admin.execute(read_log).fetchall()
     assert writes == [("INSERT",), ("UPDATE",)]
     (row,) = _rows(admin, queue)
     assert row[6] is not None  # the update was the stop
+
+
+def _log_writes(
+    admin: psycopg.Connection[Any],
+    queue: Queue,
+    columns: list[tuple[str, str, str]],
+    ops: str = "INSERT OR UPDATE",
+) -> sql.Composed:
+    """Log each write (``ops``) of the worker table into a table of the test's own, by a
+    trigger, so that no write goes unseen: ``columns`` are (name, type, value from the
+    trigger). Returns the query that reads the log, oldest first."""
+    schema = sql.Identifier(queue.schema)
+    names = sql.SQL(", ").join(sql.Identifier(name) for name, _, _ in columns)
+    admin.execute(
+        sql.SQL("CREATE TABLE {}.worker_log (at BIGSERIAL, {})").format(
+            schema, sql.SQL(", ").join(sql.SQL(f"{name} {kind}") for name, kind, _ in columns)
+        )
+    )
+    admin.execute(
+        sql.SQL(
+            "CREATE FUNCTION {}.worker_logged() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+            " INSERT INTO {}.worker_log ({}) VALUES ({}); RETURN NULL; END $$"
+        ).format(
+            schema, schema, names, sql.SQL(", ").join(sql.SQL(value) for _, _, value in columns)
+        )
+    )
+    admin.execute(
+        sql.SQL(
+            "CREATE TRIGGER logged AFTER " + ops + " ON {}.worker"
+            " FOR EACH ROW EXECUTE FUNCTION {}.worker_logged()"
+        ).format(schema, schema)
+    )
+    return sql.SQL("SELECT {} FROM {}.worker_log ORDER BY at").format(names, schema)
+
+
+def _served(reports: list[tuple[Any, ...]]) -> dict[str, int]:
+    """The messages taken per channel, summed over ``reports``, each checked: a report that
+    names a channel covers some time, and names its channels once each."""
+    total: dict[str, int] = {}
+    for served_ms, channels, counts, other in reports:
+        assert other == 0
+        assert len(set(channels)) == len(channels) == len(counts)
+        assert served_ms > 0 or not channels
+        for channel, count in zip(channels, counts, strict=True):
+            total[channel] = total.get(channel, 0) + count
+    return total
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_worker_reports_what_it_took_from_each_channel(
+    kind: str, dsn: str, queue: Queue, admin: psycopg.Connection[Any]
+) -> None:
+    """Summed over its reports, what a worker says it took from each channel is exactly what
+    it took: 15, 10 and 5 messages of three channels, all held by blocked handlers."""
+    read_log = _log_writes(
+        admin,
+        queue,
+        [
+            ("served_ms", "BIGINT", "NEW.served_ms"),
+            ("channels", "TEXT[]", "NEW.served_channels"),
+            ("counts", "BIGINT[]", "NEW.served_counts"),
+            ("other", "BIGINT", "NEW.served_other"),
+        ],
+    )
+    sizes = {"a": 15, "b": 10, "c": 5}
+    queue.create_many(
+        [NewMessage(b"x", channel=name) for name, n in sizes.items() for _ in range(n)]
+    )
+
+    def counted() -> dict[str, int]:
+        return _served(admin.execute(read_log).fetchall())
+
+    def wait_counted(deadline: float) -> bool:
+        return counted() == sizes or time.monotonic() > deadline
+
+    if kind == "sync":
+        release = threading.Event()
+        worker = Worker(
+            queue, lambda m: release.wait(WAIT_S), concurrency=30, lock_ms=3_000, heartbeat_ms=100
+        )
+        thread = threading.Thread(target=worker.run, kwargs={"handle_signals": False})
+        thread.start()
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while not wait_counted(deadline):
+                time.sleep(0.02)
+        finally:
+            release.set()
+            worker.stop()
+            thread.join(WAIT_S)
+        assert not thread.is_alive()
+    else:
+
+        async def main() -> None:
+            release = asyncio.Event()
+
+            async def handler(message: AsyncMessage) -> None:
+                await release.wait()
+
+            async with AsyncQueue(dsn, schema=queue.schema) as aqueue:
+                worker = AsyncWorker(
+                    aqueue, handler, concurrency=30, lock_ms=3_000, heartbeat_ms=100
+                )
+                task = asyncio.create_task(worker.run(handle_signals=False))
+                deadline = time.monotonic() + WAIT_S
+                while not wait_counted(deadline):
+                    await asyncio.sleep(0.02)
+                release.set()
+                worker.stop()
+                await asyncio.wait_for(task, WAIT_S)
+
+        asyncio.run(main())
+    assert counted() == sizes
+    # The stop clears the counts: a stopped worker serves nothing.
+    (row,) = admin.execute(
+        sql.SQL(
+            "SELECT served_ms, served_channels, served_counts, served_other FROM {}.worker"
+        ).format(sql.Identifier(queue.schema))
+    ).fetchall()
+    assert row == (0, [], [], 0)
 
 
 def test_an_async_worker_reports_itself_too(dsn: str, queue: Queue, admin: Any) -> None:
@@ -150,6 +257,10 @@ def _report(queue: Queue, **changes: Any) -> None:
         "running": 1,
         "message_ids": [7],
         "channels": ["c"],
+        "served_ms": 0,
+        "served_channels": [],
+        "served_counts": [],
+        "served_other": 0,
     }
     params.update(changes)
     queue._fetch("worker_report", params, None)
@@ -172,6 +283,17 @@ def test_reports_are_checked_and_old_rows_removed(
         ({"message_ids": [None], "channels": ["c"]}, InvalidArgumentError),
         ({"message_ids": list(range(101)), "channels": ["c"] * 101}, InvalidArgumentError),
         ({"channels": [""]}, InvalidChannelError),
+        ({"served_ms": -1}, InvalidArgumentError),
+        ({"served_ms": 86_400_001}, InvalidArgumentError),
+        ({"served_other": -1}, InvalidArgumentError),
+        ({"served_channels": ["c"]}, InvalidArgumentError),
+        ({"served_channels": ["c"], "served_counts": [0]}, InvalidArgumentError),
+        ({"served_channels": ["c"], "served_counts": [None]}, InvalidArgumentError),
+        (
+            {"served_channels": [f"c{i}" for i in range(101)], "served_counts": [1] * 101},
+            InvalidArgumentError,
+        ),
+        ({"served_channels": [""], "served_counts": [1]}, InvalidChannelError),
     ):
         with pytest.raises(error):
             _report(queue, **{"id": "w2", **changes})

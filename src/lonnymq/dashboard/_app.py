@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
 from urllib.parse import parse_qs, quote
 
 from jinja2 import Environment, PackageLoader, select_autoescape
@@ -42,6 +42,9 @@ FAILED_WINDOW_MS = 10_000
 SAMPLE_EVERY_S = 1.0
 SAMPLE_COST_SHARE = 10
 SAMPLES_KEPT = 300
+# Of the channels the workers' reports name, the dashboard keeps the rates of at most this many
+# (those taken from most) in each reading.
+SERVICE_KEPT = 1_000
 # Finish rates are taken over about this span of samples: PostgreSQL publishes a backend's
 # row counts at most about once a second, so a rate over one second would jump.
 RATE_SPAN_MS = 5_000
@@ -111,34 +114,48 @@ class Sample:
     archive: bool
 
 
-class Sampler:
-    """The overview's readings, taken at most every ``SAMPLE_EVERY_S`` (so many open pages
-    cost the database one reading; a slow reading is taken less often), kept in a ring in
-    memory: the rates are the counters' growth between readings, so nothing is written per
-    message to get them."""
+T = TypeVar("T")
 
-    def __init__(self, queue: AsyncQueue) -> None:
-        self._queue = queue
-        self._samples: deque[Sample] = deque(maxlen=SAMPLES_KEPT)
+
+class Readings(Generic[T]):
+    """Readings taken by ``read`` at most every ``SAMPLE_EVERY_S``, whoever asks (so many open
+    pages cost the database one reading; a slow reading is taken less often), the last
+    ``SAMPLES_KEPT`` kept in a ring in memory."""
+
+    def __init__(self, read: Callable[[], Awaitable[T]]) -> None:
+        self._read = read
+        self._kept: deque[T] = deque(maxlen=SAMPLES_KEPT)
         self._next = 0.0
         self._lock = asyncio.Lock()
 
-    async def latest(self) -> Sample:
+    async def latest(self) -> T:
         async with self._lock:
-            if not self._samples or time.monotonic() >= self._next:
+            if not self._kept or time.monotonic() >= self._next:
                 started = time.monotonic()
-                rows = await self._queue._fetch(
-                    "dashboard_overview", {"window_ms": FAILED_WINDOW_MS}, None
-                )
-                self._samples.append(Sample(*rows[0]))
+                self._kept.append(await self._read())
                 took = time.monotonic() - started
                 self._next = started + max(SAMPLE_EVERY_S, took * SAMPLE_COST_SHARE)
-            return self._samples[-1]
+            return self._kept[-1]
+
+    def kept(self) -> list[T]:
+        return list(self._kept)
+
+
+class Sampler(Readings[Sample]):
+    """The overview's readings: the rates are the counters' growth between readings, so
+    nothing is written per message to get them."""
+
+    def __init__(self, queue: AsyncQueue) -> None:
+        async def read() -> Sample:
+            rows = await queue._fetch("dashboard_overview", {"window_ms": FAILED_WINDOW_MS}, None)
+            return Sample(*rows[0])
+
+        super().__init__(read)
 
     def rates(self) -> list[tuple[int, float, float]]:
         """(time, finished per second, failed per second) at each reading that has one
         about ``RATE_SPAN_MS`` before it."""
-        samples = list(self._samples)
+        samples = self.kept()
         out: list[tuple[int, float, float]] = []
         start = 0
         for sample in samples[1:]:
@@ -152,6 +169,74 @@ class Sampler:
             finished = max(0, sample.finished_total - first.finished_total) / seconds
             out.append((sample.at_ms, finished, sample.failed_recent * 1000 / FAILED_WINDOW_MS))
         return out
+
+
+@dataclass(frozen=True)
+class Service:
+    """What the live workers took per second, channel by channel, as their last reports say
+    (each covers the time since the worker's report before)."""
+
+    at_ms: int
+    # The channels the reports name (the SERVICE_KEPT taken from most), and their rates.
+    rates: dict[str, float]
+    # From every channel, named or not.
+    total: float
+    # True when the reports name every channel taken from: any other took none.
+    complete: bool
+    workers: int
+
+    def rate(self, channel: str) -> float | None:
+        """Messages of ``channel`` taken per second; None when no report names it but some
+        took from channels they do not name."""
+        rate = self.rates.get(channel)
+        if rate is None and self.complete:
+            return 0.0
+        return rate
+
+    def share(self, channel: str) -> float | None:
+        """``channel``'s part of everything taken (0 to 1); None when nothing was taken or
+        its rate is not known."""
+        rate = self.rate(channel)
+        return None if rate is None or self.total <= 0 else rate / self.total
+
+
+def service(workers: Sequence[dict[str, Any]]) -> Service:
+    """The service the alive ``workers`` (rows of ``_worker_row``) report."""
+    rates: dict[str, float] = {}
+    total = 0.0
+    complete = True
+    counted = 0
+    now_ms = 0
+    for worker in workers:
+        now_ms = worker["now_ms"]
+        if worker["state"] != "alive" or worker["served_ms"] <= 0:
+            continue
+        counted += 1
+        per_s = 1000 / worker["served_ms"]
+        for channel, count in zip(worker["served_channels"], worker["served_counts"], strict=True):
+            rates[channel] = rates.get(channel, 0.0) + count * per_s
+        total += (sum(worker["served_counts"]) + worker["served_other"]) * per_s
+        complete = complete and worker["served_other"] == 0
+    if len(rates) > SERVICE_KEPT:
+        rates = dict(sorted(rates.items(), key=lambda item: -item[1])[:SERVICE_KEPT])
+        complete = False
+    return Service(now_ms, rates, total, complete, counted)
+
+
+class ServiceSampler(Readings[Service]):
+    """The channels' service as the workers report it, read with the workers' table."""
+
+    def __init__(self, queue: AsyncQueue) -> None:
+        async def read() -> Service:
+            rows = await queue._fetch("dashboard_workers", {"limit": WORKERS_SHOWN}, None)
+            listed = [_worker_row(row) for row in rows]
+            return service(listed) if listed else Service(await queue.now(), {}, 0.0, True, 0)
+
+        super().__init__(read)
+
+    def shares(self, channel: str) -> list[tuple[int, float | None]]:
+        """(time, ``channel``'s share) at each kept reading."""
+        return [(s.at_ms, s.share(channel)) for s in self.kept()]
 
 
 def shown(value: str, lines: bool = False) -> str:
@@ -214,23 +299,31 @@ def duration(ms: int | None, *, signed: bool = False) -> str:
     return f"{sign}{text}{suffix}"
 
 
+def polyline(
+    points: Sequence[tuple[int, float]], first: int, span: int, *, top: float, size: tuple[int, int]
+) -> str:
+    """SVG polyline points for ``(time, value)`` pairs: time from ``first`` over ``span`` ms
+    across the ``size``'s width, value from 0 to ``top`` up its height."""
+    return " ".join(
+        f"{(at - first) * size[0] / span:.1f},{size[1] - value * size[1] / top:.1f}"
+        for at, value in points
+    )
+
+
 def chart_points(
     rates: Sequence[tuple[int, float, float]], width: int, height: int
 ) -> dict[str, Any]:
     """SVG polyline points for the finish and failure rates over the kept span."""
+    size = (width, height)
     if not rates:
         return {"finished": "", "failed": "", "top": 0.0}
-    first, last = rates[0][0], rates[-1][0]
-    span = max(last - first, 1)
+    first, span = rates[0][0], max(rates[-1][0] - rates[0][0], 1)
     top = max(*(r[1] for r in rates), *(r[2] for r in rates), 1.0)
-
-    def line(index: int) -> str:
-        return " ".join(
-            f"{(r[0] - first) * width / span:.1f},{height - r[index] * height / top:.1f}"
-            for r in rates
-        )
-
-    return {"finished": line(1), "failed": line(2), "top": top}
+    return {
+        "finished": polyline([(r[0], r[1]) for r in rates], first, span, top=top, size=size),
+        "failed": polyline([(r[0], r[2]) for r in rates], first, span, top=top, size=size),
+        "top": top,
+    }
 
 
 class TokenGate:
@@ -301,6 +394,7 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
         shown=shown, duration=duration, preview=preview, when=when, last_line=last_line
     )
     sampler = Sampler(queue)
+    services = ServiceSampler(queue)
     # The channel sizes each page last showed, for the net rate the next refresh shows.
     seen: dict[str, tuple[int, int]] = {}
 
@@ -346,6 +440,9 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
         page = [_channel_row(row) for row in rows[:PAGE_SIZE]]
         now_ms = (await sampler.latest()).at_ms
         _net_rates(page, seen, now_ms)
+        served = await services.latest()
+        for row in page:
+            row["served_rate"] = served.rate(row["channel"])
         following = None
         if len(rows) > PAGE_SIZE:
             last = page[-1]
@@ -402,6 +499,14 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
             # The clock once the messages were read: only a message due after it offers "due now".
             now_ms=await queue.now(),
             done=request.query_params.get("done"),
+            **_service_context(services, await services.latest(), name),
+        )
+
+    async def channel_live(request: Request) -> Response:
+        name = request.query_params.get("name", "")
+        latest = await services.latest()
+        return render(
+            request, "_channel_live.html", name=name, **_service_context(services, latest, name)
         )
 
     secret = secrets.token_bytes(32)
@@ -609,6 +714,7 @@ def app(queue: AsyncQueue, *, read_only: bool = False, token: str | None = None)
         Route("/channel/action", confirm, name="confirm"),
         Route("/channel/action", act, methods=["POST"], name="act"),
         Route("/live/overview", overview_live, name="overview_live"),
+        Route("/live/channel", channel_live, name="channel_live"),
         Route("/channels", channels, name="channels"),
         Route("/channel", channel, name="channel"),
         Mount(
@@ -734,6 +840,21 @@ def _overview_context(sampler: Sampler, sample: Sample) -> dict[str, Any]:
     }
 
 
+def _service_context(services: ServiceSampler, latest: Service, name: str) -> dict[str, Any]:
+    """A channel's service: its rate and share now, and its share over the kept readings."""
+    shares = services.shares(name)
+    known = [(at, share) for at, share in shares if share is not None]
+    first = shares[0][0] if shares else latest.at_ms
+    span = max(latest.at_ms - first, 1)
+    return {
+        "service": latest,
+        "served_rate": latest.rate(name),
+        "share": latest.share(name),
+        "share_chart": polyline(known, first, span, top=1.0, size=(600, 120)),
+        "share_span_s": round(span / 1000),
+    }
+
+
 # The columns of dashboard_channels and dashboard_channel_messages, as the pages name them.
 CHANNEL_COLUMNS = (
     "channel", "size", "size_exact", "in_flight", "next_dequeue_at", "has_policy",
@@ -765,7 +886,8 @@ def _schedule_row(row: Sequence[Any]) -> dict[str, Any]:
 
 WORKER_COLUMNS = (
     "id", "host", "pid", "started_at", "seen_at", "every_ms", "concurrency", "running",
-    "message_ids", "channels", "stopped_at", "now_ms",
+    "message_ids", "channels", "stopped_at", "served_ms", "served_channels", "served_counts",
+    "served_other", "now_ms",
 )  # fmt: skip
 
 
@@ -780,6 +902,12 @@ def _worker_row(row: Sequence[Any]) -> dict[str, Any]:
     else:
         worker["state"] = "alive"
     worker["messages"] = list(zip(worker["message_ids"], worker["channels"], strict=True))
+    taken = sum(worker["served_counts"]) + worker["served_other"]
+    worker["taken_rate"] = (
+        taken * 1000 / worker["served_ms"]
+        if worker["state"] == "alive" and worker["served_ms"] > 0
+        else None
+    )
     return worker
 
 

@@ -223,12 +223,16 @@ SELECT {schema}.worker_report(
     p_concurrency => %(concurrency)s::integer,
     p_running => %(running)s::integer,
     p_message_ids => %(message_ids)s::bigint[],
-    p_channels => %(channels)s::text[])
+    p_channels => %(channels)s::text[],
+    p_served_ms => %(served_ms)s::bigint,
+    p_served_channels => %(served_channels)s::text[],
+    p_served_counts => %(served_counts)s::bigint[],
+    p_served_other => %(served_other)s::bigint)
 
 -- name: worker_stopped
 SELECT {schema}.worker_stopped(p_id => %(id)s::text)
 
 -- name: dashboard_workers
 SELECT id, host, pid, started_at, seen_at, every_ms, concurrency, running, message_ids,
-       channels, stopped_at, now_ms
+       channels, stopped_at, served_ms, served_channels, served_counts, served_other, now_ms
 FROM {schema}.dashboard_workers(p_limit => %(limit)s::integer)

@@ -132,6 +132,7 @@ class Worker:
         self.queue = queue
         self.handler = handler
         self.metrics = metrics or WorkerMetrics()
+        self._served = _policy.Served()
         self.stats = WorkerStats()
         self._stopping = threading.Event()
         self._stopped_at = 0.0
@@ -358,6 +359,7 @@ class Worker:
                 self._running[task] = None
                 self.metrics.running = len(self._running)
             self.metrics.count("dequeued", message.channel)
+            self._served.add(message.channel)
             if late:
                 # Taken by a call that outlasted the grace period: given back unrun.
                 task.reporting = task.giving_back = True
@@ -564,7 +566,9 @@ class Worker:
             return  # the round that a stop woke: the run is over
         try:
             self.queue._fetch(
-                "worker_report", _policy.presence(self._id, self.options, running), conn
+                "worker_report",
+                _policy.presence(self._id, self.options, running, self._served),
+                conn,
             )
         except (LonnyMQError, psycopg.Error) as err:
             log.debug("could not report this worker (%s)", err)

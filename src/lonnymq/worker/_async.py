@@ -113,6 +113,7 @@ class AsyncWorker:
         self.queue = queue
         self.handler = handler
         self.metrics = metrics or WorkerMetrics()
+        self._served = _policy.Served()
         self.stats = WorkerStats()
         self._stopping = asyncio.Event()
         self._stopped_at = 0.0
@@ -300,6 +301,7 @@ class AsyncWorker:
             run = _Run(message)
             self._running[run] = None
             self.metrics.count("dequeued", message.channel)
+            self._served.add(message.channel)
             if late:
                 # Taken by a call that outlasted the grace period: given back unrun.
                 run.reporting = run.giving_back = True
@@ -497,7 +499,9 @@ class AsyncWorker:
         running = [r.message for r in self._running]
         try:
             await self.queue._fetch(
-                "worker_report", _policy.presence(self._id, self.options, running), conn
+                "worker_report",
+                _policy.presence(self._id, self.options, running, self._served),
+                conn,
             )
         except (LonnyMQError, psycopg.Error) as err:
             log.debug("could not report this worker (%s)", err)

@@ -9,7 +9,10 @@ import math
 import os
 import random
 import socket
+import threading
+import time
 import traceback
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -554,13 +557,53 @@ def log_settled(log: logging.Logger, report: Report[R, M], status: AckStatus) ->
 
 # A worker's report names at most this many of the messages it runs (the dashboard's view).
 REPORTED_MESSAGES = 20
+# ... and at most this many of the channels it took messages from since its last report.
+REPORTED_CHANNELS = 100
+# Channels counted one by one between two reports; messages of any more count as "other".
+COUNTED_CHANNELS = 10_000
+# The longest time a report's counts may cover (worker_report refuses more).
+COUNTED_MS = 86_400_000
+
+
+class Served:
+    """The messages a worker took from each channel since its last report (thread-safe):
+    ``add`` counts one, ``drain`` hands over what was counted and starts again. Kept in
+    memory, sent with the report once a heartbeat round: nothing is written per message."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._other = 0
+        self._since = time.monotonic()
+
+    def add(self, channel: str) -> None:
+        with self._lock:
+            if channel in self._counts or len(self._counts) < COUNTED_CHANNELS:
+                self._counts[channel] += 1
+            else:
+                self._other += 1
+
+    def drain(self) -> dict[str, object]:
+        """``worker_report``'s served arguments: the time counted, the ``REPORTED_CHANNELS``
+        channels taken from most with their counts, and the messages of all the others."""
+        with self._lock:
+            counts, other, since = self._counts, self._other, self._since
+            self._counts, self._other, self._since = Counter(), 0, time.monotonic()
+        named = counts.most_common(REPORTED_CHANNELS)
+        return {
+            "served_ms": min(COUNTED_MS, round((self._since - since) * 1000)),
+            "served_channels": [channel for channel, _ in named],
+            "served_counts": [count for _, count in named],
+            "served_other": other + counts.total() - sum(count for _, count in named),
+        }
 
 
 def presence(
-    worker_id: str, options: WorkerOptions, running: Iterable[_Message]
+    worker_id: str, options: WorkerOptions, running: Iterable[_Message], served: Served
 ) -> dict[str, object]:
     """What a worker reports of itself once a heartbeat round (``worker_report``): its
-    identity, how wide it is and what it runs now (the first ``REPORTED_MESSAGES``)."""
+    identity, how wide it is, what it runs now (the first ``REPORTED_MESSAGES``) and what it
+    took from which channels since its last report (``served``, drained)."""
     held = list(running)
     shown = held[:REPORTED_MESSAGES]
     return {
@@ -572,4 +615,5 @@ def presence(
         "running": len(held),
         "message_ids": [m.id for m in shown],
         "channels": [m.channel for m in shown],
+        **served.drain(),
     }

@@ -315,14 +315,16 @@ $$;
 
 
 -- dashboard_workers(): the workers that reported in the last hour (the table keeps no
--- others), the longest running first, at most p_limit, with what each runs now and the clock
--- (a worker whose last report is more than a few of its rounds old has died).
+-- others), the longest running first, at most p_limit, with what each runs now, what it took
+-- from which channels between its last two reports, and the clock (a worker whose last report
+-- is more than a few of its rounds old has died).
 -- Locks: none. Raises: LQ003 (limit outside 1..10000).
 CREATE OR REPLACE FUNCTION dashboard_workers(p_limit INTEGER DEFAULT 1000)
 RETURNS TABLE (
     id TEXT, host TEXT, pid INTEGER, started_at BIGINT, seen_at BIGINT, every_ms BIGINT,
     concurrency INTEGER, running INTEGER, message_ids BIGINT[], channels TEXT[],
-    stopped_at BIGINT, now_ms BIGINT
+    stopped_at BIGINT, served_ms BIGINT, served_channels TEXT[], served_counts BIGINT[],
+    served_other BIGINT, now_ms BIGINT
 )
 LANGUAGE plpgsql STABLE
 SET search_path FROM CURRENT
@@ -331,7 +333,8 @@ AS $$
 BEGIN
     PERFORM arg_check_range('limit', p_limit, 1, 10000);
     RETURN QUERY SELECT w.id, w.host, w.pid, w.started_at, w.seen_at, w.every_ms,
-            w.concurrency, w.running, w.message_ids, w.channels, w.stopped_at, epoch()
+            w.concurrency, w.running, w.message_ids, w.channels, w.stopped_at, w.served_ms,
+            w.served_channels, w.served_counts, w.served_other, epoch()
         FROM worker w
         ORDER BY w.started_at, w.id
         LIMIT p_limit;
