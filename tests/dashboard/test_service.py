@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from lonnymq import Message, NewMessage, Queue
 from lonnymq.worker import Worker
 
 from .conftest import Served, get
-from .test_browser import WAIT_S, _cells, _read
+from .test_browser import WAIT_S, _cells, _read, _screenshot
 from .test_workers import HOSTILE, _report
 
 ESCAPED = "&lt;script&gt;alert(&#39;w&#39;)&lt;/script&gt;"
@@ -100,12 +101,19 @@ def _percent(browser: Any) -> float | None:
     return float(text[0].removesuffix(" %"))
 
 
+def _points(browser: Any) -> list[str]:
+    points = browser.execute_script(
+        "const e = document.getElementById('share-line'); return e && e.getAttribute('points');"
+    )
+    return str(points).split() if points else []
+
+
 @pytest.mark.browser
 def test_a_workers_two_equal_channels_are_served_about_equally(
-    browser: Any, serve: Callable[..., Served], queue: Queue
+    browser: Any, serve: Callable[..., Served], queue: Queue, tmp_path: Path
 ) -> None:
     queue.create_many(
-        [NewMessage(b"x", channel=name) for _ in range(400) for name in ("left", "right")]
+        [NewMessage(b"x", channel=name) for _ in range(1_500) for name in ("left", "right")]
     )
     stop = threading.Event()
 
@@ -127,6 +135,10 @@ def test_a_workers_two_equal_channels_are_served_about_equally(
             return share is not None and 30 <= share <= 70
 
         WebDriverWait(browser, WAIT_S).until(fair, f"left's share never near half: {shares}")
+        WebDriverWait(browser, WAIT_S).until(
+            lambda b: len(_points(b)) >= 4, "the share chart never grew"
+        )
+        _screenshot(browser, "dashboard-channel.png", tmp_path)
         browser.get(served.url + "channels")
         WebDriverWait(browser, WAIT_S).until(
             lambda b: (
