@@ -741,6 +741,9 @@ SEQSCAN_ALLOWED = {
     # Reports, administration and repair: the planner's choice, for the sizes they read.
     "archive_list", "archive_replay", "channel_stats", "queue_verify", "schedule_list",
     "schedule_remove", "schedule_set", "schema_functions", "secure_functions",
+    # A worker's reports of itself, once a heartbeat round, into the table of the last hour's
+    # workers (a few rows).
+    "worker_report", "worker_stopped",
 }  # fmt: skip
 # Set-based paths planned for their own sizes (Spark), and role administration.
 SEQSCAN_ALLOWED_PREFIXES = ("spark_", "role_")

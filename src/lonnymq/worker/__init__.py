@@ -80,10 +80,6 @@ class _Task:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def _fields(message: Message) -> dict[str, object]:
-    return {"message_id": message.id, "channel": message.channel, "attempt": message.num_attempts}
-
-
 class Worker:
     """Runs ``handler(message)`` for the messages of ``queue`` in threads; see the module
     docstring. A coroutine function handler runs in its thread's own event loop.
@@ -331,9 +327,9 @@ class Worker:
                 if not reports:
                     raise
                 stopped_at = self._stopped_at if self._stopping.is_set() else None
-                give_up_at = _policy.report_give_up_at(started, self.options, stopped_at)
-                left_s = give_up_at - time.monotonic()
-                delay = _policy.report_retry_delay(log, err, attempt, left_s)
+                delay = _policy.report_retry(
+                    log, err, attempt, started=started, options=self.options, stopped_at=stopped_at
+                )
                 if delay is not None:
                     time.sleep(delay)
                     continue
@@ -341,13 +337,7 @@ class Worker:
                     for report in reports:
                         self._running.pop(report.run, None)
                         report.run.done.set()
-                for report in reports:
-                    log.error(
-                        "message %s: could not report the outcome (%s); its lock will expire",
-                        report.outcome.message.id,
-                        err,
-                        extra=_fields(report.outcome.message),
-                    )
+                _policy.log_unreported(log, [r.outcome.message for r in reports], err)
                 return DequeueBatch(messages=[], retry_at=None)
         for report, status in zip(reports, batch.completed, strict=True):
             self._settled(report, status)
@@ -421,7 +411,7 @@ class Worker:
                             "message %s: its handler raised %r: stopping the worker",
                             message.id,
                             exc,
-                            extra=_fields(message),
+                            extra=_policy.fields(message),
                         )
                         self.stop()
                 self.metrics.observe(message.channel, time.perf_counter() - started)
@@ -434,7 +424,7 @@ class Worker:
                         message.id,
                         message.num_attempts,
                         error,
-                        extra=_fields(message),
+                        extra=_policy.fields(message),
                     )
             report = _policy.Report(
                 task, _policy.outcome_of(message, decision), decision.action.value
@@ -452,7 +442,7 @@ class Worker:
                     "message %s: handler ended after its lock was %s; result not reported",
                     message.id,
                     "given back" if task.abandoned else "lost",
-                    extra=_fields(message),
+                    extra=_policy.fields(message),
                 )
                 return
             self._wake.set()
@@ -489,7 +479,7 @@ class Worker:
                 "schedule driver %s: the task's channel is full; trying again at %s",
                 message.id,
                 firing.next_at,
-                extra=_fields(message),
+                extra=_policy.fields(message),
             )
         elif firing.fire_at is not None:
             self._count("fired", message.channel)
@@ -587,7 +577,7 @@ class Worker:
         log.warning(
             "message %s: lock lost while its handler runs",
             task.message.id,
-            extra=_fields(task.message),
+            extra=_policy.fields(task.message),
         )
 
     def _maintain(self, every_ms: int) -> None:
@@ -649,7 +639,7 @@ class Worker:
             log.warning(
                 "message %s: its handler outlived the grace period: giving it back",
                 task.message.id,
-                extra=_fields(task.message),
+                extra=_policy.fields(task.message),
             )
         deadline = time.monotonic() + REPORT_WAIT_S
         while True:

@@ -62,10 +62,6 @@ class _Run:
     giving_back: bool = False
 
 
-def _fields(message: AsyncMessage) -> dict[str, object]:
-    return {"message_id": message.id, "channel": message.channel, "attempt": message.num_attempts}
-
-
 class AsyncWorker:
     """Runs ``handler(message)`` for the messages of an :class:`~lonnymq.AsyncQueue`: a
     coroutine function as a task, a plain function in a daemon thread (at most
@@ -262,10 +258,7 @@ class AsyncWorker:
         return _policy.only_schedules_left(await self.queue.stats())
 
     async def _flush(self, limit: int) -> DequeueBatch[AsyncMessage]:
-        """One call: report up to ``batch_size`` waiting outcomes (retried while the pool
-        reconnects) and take up to ``limit`` messages (none once stopping), which start at once
-        (or, taken after the grace period, are given back unrun). Raises ``DatabaseError``
-        only when there was nothing to report."""
+        """As ``Worker._flush``: one call reports waiting outcomes and takes new messages."""
         reports = self._pending.take(self.options.batch_size, time.monotonic())
         if self._stopping.is_set():
             limit = 0
@@ -279,20 +272,15 @@ class AsyncWorker:
                 if not reports:
                     raise
                 stopped_at = self._stopped_at if self._stopping.is_set() else None
-                give_up_at = _policy.report_give_up_at(started, self.options, stopped_at)
-                left_s = give_up_at - time.monotonic()
-                delay = _policy.report_retry_delay(log, err, attempt, left_s)
+                delay = _policy.report_retry(
+                    log, err, attempt, started=started, options=self.options, stopped_at=stopped_at
+                )
                 if delay is not None:
                     await asyncio.sleep(delay)
                     continue
                 for report in reports:
                     self._running.pop(report.run, None)
-                    log.error(
-                        "message %s: could not report the outcome (%s); its lock will expire",
-                        report.outcome.message.id,
-                        err,
-                        extra=_fields(report.outcome.message),
-                    )
+                _policy.log_unreported(log, [r.outcome.message for r in reports], err)
                 return DequeueBatch(messages=[], retry_at=None)
         for report, status in zip(reports, batch.completed, strict=True):
             self._settled(report, status)
@@ -368,7 +356,7 @@ class AsyncWorker:
                         "message %s: its handler raised %r: stopping the worker",
                         message.id,
                         exc,
-                        extra=_fields(message),
+                        extra=_policy.fields(message),
                     )
                     self.stop()
                 self.metrics.observe(message.channel, time.perf_counter() - started)
@@ -377,7 +365,7 @@ class AsyncWorker:
                         "message %s: handler ended after its lock was %s; result not reported",
                         message.id,
                         "given back" if run.abandoned else "lost",
-                        extra=_fields(message),
+                        extra=_policy.fields(message),
                     )
                     return
                 decision = _policy.after_run(
@@ -389,7 +377,7 @@ class AsyncWorker:
                         message.id,
                         message.num_attempts,
                         error,
-                        extra=_fields(message),
+                        extra=_policy.fields(message),
                     )
             run.reporting = True
             self._submit(run, _policy.outcome_of(message, decision), decision.action.value)
@@ -424,7 +412,7 @@ class AsyncWorker:
                 "schedule driver %s: the task's channel is full; trying again at %s",
                 message.id,
                 firing.next_at,
-                extra=_fields(message),
+                extra=_policy.fields(message),
             )
         elif firing.fire_at is not None:
             self._count("fired", message.channel)
@@ -485,7 +473,7 @@ class AsyncWorker:
                     log.warning(
                         "message %s: lock lost while its handler runs",
                         run.message.id,
-                        extra=_fields(run.message),
+                        extra=_policy.fields(run.message),
                     )
         finally:
             if conn is not None:
@@ -563,7 +551,7 @@ class AsyncWorker:
             log.warning(
                 "message %s: its handler outlived the grace period: giving it back",
                 run.message.id,
-                extra=_fields(run.message),
+                extra=_policy.fields(run.message),
             )
         deadline = time.monotonic() + REPORT_WAIT_S
         while self._pending and time.monotonic() < deadline:

@@ -322,31 +322,47 @@ def reconnect_delay(failures: int) -> float:
     return float(min(30.0, 0.1 * 2 ** min(max(failures - 1, 0), 10)))
 
 
-def report_give_up_at(started: float, options: WorkerOptions, stopped_at: float | None) -> float:
-    """The monotonic time at which a report begun at ``started`` is no longer retried: when
-    its messages' locks may have expired (``lock_ms``), or, once the worker is stopping (since
-    ``stopped_at``), when its grace period and ``REPORT_WAIT_S`` after it have passed, if
-    that comes first."""
+def report_retry(
+    log: logging.Logger,
+    err: LonnyMQError,
+    attempt: int,
+    *,
+    started: float,
+    options: WorkerOptions,
+    stopped_at: float | None,
+) -> float | None:
+    """After attempt ``attempt`` at reporting outcomes, begun at ``started``, failed with
+    ``err``: the seconds to wait before the next attempt, or None to give up. A lost connection
+    is retried with backoff while the messages' locks may still be held (their heartbeats fail
+    too while the database is out of reach: ``lock_ms`` from the start), so that a server
+    restart does not make handlers that have returned run again, and, once the worker is
+    stopping (since ``stopped_at``), until its grace period and ``REPORT_WAIT_S`` after it have
+    passed, if that comes first; any other error gives up at once. Logs a retry on ``log``."""
     give_up_at = started + options.lock_ms / 1000
     if stopped_at is not None:
         give_up_at = min(give_up_at, stopped_at + options.grace_s + REPORT_WAIT_S)
-    return give_up_at
-
-
-def report_retry_delay(
-    log: logging.Logger, err: LonnyMQError, attempt: int, left_s: float
-) -> float | None:
-    """After attempt ``attempt`` at reporting outcomes failed with ``err``, ``left_s`` seconds
-    before the messages' locks may expire (their heartbeats fail too while the database is out
-    of reach): the seconds to wait before the next attempt, or None to give up. A lost
-    connection is retried with backoff while the locks may still be held, so that a server
-    restart does not make handlers that have returned run again; any other error gives up at
-    once. Logs a retry on ``log``."""
+    left_s = give_up_at - time.monotonic()
     if not isinstance(err, DatabaseError) or left_s <= 0:
         return None
     delay = min(reconnect_delay(attempt), left_s)
     log.warning("report failed (%s); trying again in %.1fs", err, delay)
     return delay
+
+
+def log_unreported(log: logging.Logger, messages: Iterable[_Message], err: LonnyMQError) -> None:
+    """Say on ``log`` that the outcomes of ``messages`` could not be reported."""
+    for message in messages:
+        log.error(
+            "message %s: could not report the outcome (%s); its lock will expire",
+            message.id,
+            err,
+            extra=fields(message),
+        )
+
+
+def fields(message: _Message) -> dict[str, object]:
+    """What a log record says of ``message`` (structured logging's extra fields)."""
+    return {"message_id": message.id, "channel": message.channel, "attempt": message.num_attempts}
 
 
 def fire_retry_delay(

@@ -31,8 +31,8 @@ CREATE OR REPLACE FUNCTION worker_report(
     p_served_counts BIGINT[] DEFAULT '{}', p_served_other BIGINT DEFAULT 0
 ) RETURNS VOID
 LANGUAGE plpgsql
+-- (The worker table holds an hour of workers: a small table, whatever the plan.)
 SET search_path FROM CURRENT
-SET enable_seqscan = off SET jit = off
 AS $$
 DECLARE
     v_now BIGINT := epoch();
@@ -81,17 +81,13 @@ $$;
 -- later leaves it so.
 -- Locks: the worker's row. Raises: LQ003 (a bad id).
 CREATE OR REPLACE FUNCTION worker_stopped(p_id TEXT) RETURNS VOID
-LANGUAGE plpgsql
+LANGUAGE sql
 SET search_path FROM CURRENT
-SET enable_seqscan = off SET jit = off
 AS $$
-DECLARE
-    v_now BIGINT := epoch();
-BEGIN
-    PERFORM arg_check_worker_id(p_id);
-    UPDATE worker w SET stopped_at = v_now, seen_at = v_now, running = 0,
+    SELECT arg_check_worker_id(p_id);
+    UPDATE worker w SET stopped_at = t.now, seen_at = t.now, running = 0,
         message_ids = '{}', channels = '{}', served_ms = 0, served_channels = '{}',
         served_counts = '{}', served_other = 0
+    FROM (SELECT epoch() AS now) t
     WHERE w.id = p_id;
-END;
 $$;
