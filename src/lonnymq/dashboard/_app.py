@@ -5,6 +5,7 @@ from the internet)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -224,13 +225,23 @@ def service(workers: Sequence[dict[str, Any]]) -> Service:
 
 
 class ServiceSampler(Readings[Service]):
-    """The channels' service as the workers report it, read with the workers' table."""
+    """The channels' service as the workers report it, read with the workers' table. A
+    reading taken before any worker reported again shares the rates of the one before (the
+    rates change once a heartbeat round, the readings once a second)."""
 
     def __init__(self, queue: AsyncQueue) -> None:
+        last: list[tuple[tuple[Any, ...], Service]] = []
+
         async def read() -> Service:
             rows = await queue._fetch("dashboard_workers", {"limit": WORKERS_SHOWN}, None)
+            if not rows:
+                return Service(await queue.now(), {}, 0.0, True, 0)
             listed = [_worker_row(row) for row in rows]
-            return service(listed) if listed else Service(await queue.now(), {}, 0.0, True, 0)
+            reports = tuple((w["id"], w["seen_at"], w["state"]) for w in listed)
+            if last and last[0][0] == reports:
+                return dataclasses.replace(last[0][1], at_ms=listed[0]["now_ms"])
+            last[:] = [(reports, service(listed))]
+            return last[0][1]
 
         super().__init__(read)
 
