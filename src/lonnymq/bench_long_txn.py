@@ -6,6 +6,7 @@ and the pages each statement of a take and a finish touches, per window.
     python benchmarks/long_txn.py [--dsn DSN] [--hold 600] [--clean 120] [--recovery 180]
                                   [--window 10] [--rate N] [--capacity 20] [--concurrency 32]
                                   [--handler-ms 1] [--channels 1] [--holders idle,reader]
+                                  [--spark-rows 1000000]
                                   [--schema NAME] [--out DIR] [--quick]
 
 Without ``--dsn`` it uses ``$LONNYMQ_DSN``, else starts the embedded PostgreSQL and stops it at
@@ -22,7 +23,11 @@ For each holder of ``--holders`` (default both, in this order), from a freshly i
 - ``idle``: another session began a transaction, took a transaction id and idles in it
   (``--hold`` seconds); or ``reader``: another session runs one long ``SELECT`` over a table of
   its own (``pg_sleep`` inside the query, ``--hold`` seconds): an active reader, holding its
-  snapshot while it runs;
+  snapshot while it runs; or ``spark``: a Spark job (``local[2]``, in this process) reads a
+  queue of ``--spark-rows`` messages (default 10^6, written before the run in a schema of its
+  own) with ``spark.read`` and counts them per channel, again and again, all in one snapshot
+  (``lonnymq.spark.snapshot``), for ``--hold`` seconds and until its read under way ends: the
+  worker shares the machine with Spark too;
 - ``recovery`` after it (``--recovery`` seconds): the Worker's maintenance and autovacuum may
   clean up, and the Worker works off the backlog.
 
@@ -39,8 +44,8 @@ finish's statements), with the statements that touched the most pages.
 
 Prints a table per window and one per phase; writes ``long_txn.json`` to ``--out`` (default
 ``benchmarks/results``). The run's schemas, the queue's (``--schema``, by default a name of the
-run's own: ``lonnymq_long_txn_<pid>_<token>``) and the reader's (that name and ``_aux``), are
-dropped at the end.
+run's own: ``lonnymq_long_txn_<pid>_<token>``), the reader's (that name and ``_aux``) and the
+spark holder's (that name and ``_spark``), are dropped at the end.
 """
 
 from __future__ import annotations
@@ -71,7 +76,11 @@ from .worker import Worker
 
 __all__ = ["DEFAULT", "QUICK", "Settings", "main", "run_long_txn"]
 
-HOLDERS = ("idle", "reader")
+HOLDERS = ("idle", "reader", "spark")
+# Messages in the queue a ``spark`` holder reads, over this many channels, written this many a
+# call.
+SPARK_CHANNELS = 1_000
+SPARK_FILL_BATCH = 10_000
 APP = "lonnymq_long_txn"
 STAMP = struct.Struct("<d")
 
@@ -115,6 +124,7 @@ class Settings:
     handler_ms: float
     channels: int
     holders: tuple[str, ...]
+    spark_rows: int = 1_000_000
 
     def __post_init__(self) -> None:
         for name in ("clean", "hold", "recovery", "window", "capacity"):
@@ -137,15 +147,19 @@ class Settings:
             raise InvalidArgumentError(
                 f"holders must be one or more of {', '.join(HOLDERS)}, got {self.holders}"
             )
+        if not 1 <= self.spark_rows <= 100_000_000:
+            raise InvalidArgumentError(
+                f"spark_rows must be between 1 and 100000000, got {self.spark_rows}"
+            )
 
 
 DEFAULT = Settings(
     clean=120, hold=600, recovery=180, window=10, capacity=20, rate=None, concurrency=32,
-    handler_ms=1, channels=1, holders=HOLDERS,
+    handler_ms=1, channels=1, holders=("idle", "reader"),
 )  # fmt: skip
 QUICK = Settings(
     clean=2, hold=3, recovery=2, window=1, capacity=2, rate=None, concurrency=8, handler_ms=1,
-    channels=1, holders=HOLDERS,
+    channels=1, holders=("idle", "reader"),
 )  # fmt: skip
 
 
@@ -248,6 +262,9 @@ class LongTxnBench:
         # The run's own unless given: another run on the server never drops it.
         self.schema = schema or run_schema(APP)
         self.aux = f"{self.schema}_aux"  # the reader's table; pg_stat_statements if we create it
+        self.spark_schema = f"{self.schema}_spark"  # the queue a spark holder reads
+        self._spark: Any = None  # its SparkSession, started before the load
+        self._spark_session: Any = None
         self.log = log
         self.started = time.monotonic()
         self.windows: list[dict[str, Any]] = []
@@ -300,11 +317,47 @@ class LongTxnBench:
                     "ON n.oid = e.extnamespace WHERE e.extname = 'pg_stat_statements'"
                 ).fetchone()
                 self.statements_schema = str(found[0]) if found else None
+        if "spark" in self.settings.holders:
+            self._fill_spark_queue()
         self.install()
 
-    def teardown(self) -> None:
+    def _fill_spark_queue(self) -> None:
+        """The queue a ``spark`` holder reads: ``spark_rows`` messages over ``SPARK_CHANNELS``
+        channels, due in a day (nothing takes them); and the Spark session, started now so
+        that its start does not fall into a measured phase."""
+        from .spark.bench import session
+
+        rows = self.settings.spark_rows
+        self.log(f"spark holder: {rows:,} messages into {self.spark_schema}; starting Spark")
         with self._admin() as conn:
-            for schema in (self.schema, self.aux):
+            conn.execute(
+                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                    sql.Identifier(self.spark_schema)
+                )
+            )
+        with Queue(self.dsn, schema=self.spark_schema) as queue:
+            queue.install()
+            later = queue.now() + 86_400_000
+            for start in range(0, rows, SPARK_FILL_BATCH):
+                queue.create_many(
+                    [
+                        NewMessage(b"%032d" % i, channel=f"c{i % SPARK_CHANNELS}", dequeue_at=later)
+                        for i in range(start, min(rows, start + SPARK_FILL_BATCH))
+                    ]
+                )
+        with self._admin() as conn:
+            conn.execute(
+                sql.SQL("VACUUM (ANALYZE) {}").format(sql.Identifier(self.spark_schema, "message"))
+            )
+        self._spark_session = session()
+        self._spark = self._spark_session.__enter__()
+
+    def teardown(self) -> None:
+        if self._spark_session is not None:
+            self._spark_session.__exit__(None, None, None)
+            self._spark_session = self._spark = None
+        with self._admin() as conn:
+            for schema in (self.schema, self.aux, self.spark_schema):
                 conn.execute(
                     sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
                 )
@@ -512,6 +565,10 @@ class LongTxnBench:
                     holder.commit()
                     self.event("idle end")
             return
+        if kind == "spark":
+            with self._spark_reads():
+                yield
+            return
         reader = psycopg.connect(self.dsn, autocommit=True, application_name=f"{APP}_reader")
         failed: list[BaseException] = []
 
@@ -555,6 +612,53 @@ class LongTxnBench:
             self.event("reader end")
         if failed:
             raise RuntimeError(f"the reader failed: {failed[0]!r}") from failed[0]
+
+    @contextmanager
+    def _spark_reads(self) -> Iterator[None]:
+        """A Spark job reading the spark holder's queue (every message, counted per channel)
+        again and again, all in one snapshot (``lonnymq.spark.snapshot``), until the block
+        ends and the read under way finishes."""
+        from .spark import snapshot
+
+        done = threading.Event()
+        reads: list[tuple[float, int]] = []
+        failed: list[BaseException] = []
+
+        def read(snap: str) -> None:
+            try:
+                while not done.is_set():
+                    started = time.monotonic()
+                    df = (
+                        self._spark.read.format("lonnymq")
+                        .option("dsn", self.dsn)
+                        .option("schema", self.spark_schema)
+                        .option("snapshot", snap)
+                        .load()
+                    )
+                    counted = sum(r["count"] for r in df.groupBy("channel").count().collect())
+                    reads.append((time.monotonic() - started, counted))
+            except BaseException as err:
+                failed.append(err)
+
+        with snapshot(self.dsn) as snap:
+            thread = threading.Thread(target=read, args=(snap,), name="bench-spark")
+            thread.start()
+            self.event("spark start")
+            try:
+                yield
+            finally:
+                done.set()
+                thread.join()
+                self.event(
+                    "spark end",
+                    reads=len(reads),
+                    rows=[n for _, n in reads],
+                    seconds=[round(t, 1) for t, _ in reads],
+                )
+        if failed:
+            raise RuntimeError(f"the Spark read failed: {failed[0]!r}") from failed[0]
+        if any(n != self.settings.spark_rows for _, n in reads):
+            raise RuntimeError(f"a Spark read counted {[n for _, n in reads]} messages")
 
     def run(self) -> dict[str, Any]:
         s = self.settings
@@ -831,8 +935,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handler-ms", type=float, default=d.handler_ms, help="handler sleep")
     parser.add_argument("--channels", type=int, default=d.channels)
     parser.add_argument(
-        "--holders", default=",".join(d.holders), help="idle, reader or idle,reader"
+        "--holders",
+        default=",".join(d.holders),
+        help="a comma-separated list of idle, reader and spark (a Spark job reading a queue of "
+        "--spark-rows messages in one snapshot, again and again)",
     )
+    parser.add_argument("--spark-rows", type=int, default=d.spark_rows)
     parser.add_argument(
         "--schema",
         help="the queue's schema (default: lonnymq_long_txn_<pid>_<token>, the run's own)",
@@ -855,6 +963,7 @@ def main(argv: list[str] | None = None) -> int:
                 handler_ms=args.handler_ms,
                 channels=args.channels,
                 holders=tuple(h.strip() for h in args.holders.split(",") if h.strip()),
+                spark_rows=args.spark_rows,
             )
         )
     except InvalidArgumentError as err:

@@ -395,10 +395,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--holders",
-        choices=("idle", "reader", "idle,reader"),
+        choices=("idle", "reader", "spark", "idle,reader", "idle,reader,spark"),
         default="idle,reader",
-        help="with --long-txn: a session idle in a transaction, a long SELECT running, or one "
-        "after the other",
+        help="with --long-txn: a session idle in a transaction, a long SELECT running, a Spark "
+        "job reading a queue of 10^6 messages in one snapshot, or one after the other",
     )
     bench.add_argument(
         "--rate",

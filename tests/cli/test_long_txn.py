@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import psycopg
@@ -142,6 +143,35 @@ def test_two_long_txn_benches_on_one_server_keep_to_their_own_schemas(dsn: str) 
     assert count == (0,)
 
 
+@pytest.mark.slow
+def test_a_spark_holder_reads_its_queue_in_one_snapshot_beside_the_worker(
+    dsn: str, tmp_path: Path
+) -> None:
+    """The spark holder: a queue of its own filled before the run, read by Spark (every
+    message counted) at least once while the hold lasts, the horizon held meanwhile, and its
+    schema dropped at the end."""
+    settings = replace(QUICK, holders=("spark",), spark_rows=3_000, rate=50.0)
+    bench = LongTxnBench(dsn, settings, log=print)
+    try:
+        report = bench.run()
+    finally:
+        bench.teardown()
+    events = [e["event"] for e in report["events"]]
+    assert events == ["load start", "spark start", "spark end"]
+    end = report["events"][-1]
+    assert end["reads"] >= 1
+    assert end["rows"] == [3_000] * end["reads"]
+    held = [w for w in report["windows"] if w["phase"] == "spark"]
+    assert held
+    assert any(w["horizon_age"] for w in held)
+    assert sum(w["completed_per_s"] for w in report["windows"]) > 0
+    with psycopg.connect(dsn) as conn:
+        left = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname = %s", [bench.spark_schema]
+        ).fetchone()
+    assert left == (0,)
+
+
 def test_statement_deltas_name_the_statements_of_a_window() -> None:
     """What a window reports from two readings of pg_stat_statements (calls, pages, ms per
     statement text): per named statement, and the statements that touched the most pages."""
@@ -190,7 +220,11 @@ def test_bench_long_txn_refuses_bad_options(
     ("args", "message"),
     [
         (["--window", "-1"], "window must be a positive number of seconds, got -1.0"),
-        (["--holders", "nobody"], "holders must be one or more of idle, reader, got ('nobody',)"),
+        (
+            ["--holders", "nobody"],
+            "holders must be one or more of idle, reader, spark, got ('nobody',)",
+        ),
+        (["--spark-rows", "0"], "spark_rows must be between 1 and 100000000, got 0"),
         (["--concurrency", "0"], "concurrency must be between 1 and 256, got 0"),
         (["--channels", "0"], "channels must be between 1 and 10000, got 0"),
         (["--handler-ms", "-1"], "handler_ms must not be negative, got -1.0"),
