@@ -7,7 +7,6 @@ so."""
 from __future__ import annotations
 
 import http.client
-import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +21,9 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from lonnymq import NewMessage, Queue
 
-from .conftest import Served, get
+from .conftest import Served, assert_bad_requests, get
 from .test_actions import worker_role  # noqa: F401 (a fixture)
-from .test_browser import LOCK_MS, WAIT_S, _cells, _no_alert, _text
+from .test_browser import LOCK_MS, WAIT_S, _cells, _confirm, _no_alert, _text
 
 HOSTILE = "<script>alert('x')</script>"
 TRACEBACK = (
@@ -197,9 +196,8 @@ def test_replay_asks_then_creates_the_messages_again_and_is_logged(
     browser: Any,
     serve: Callable[..., Served],
     make_queue: Callable[..., Queue],
-    caplog: pytest.LogCaptureFixture,
+    dashboard_log: Callable[[], list[str]],
 ) -> None:
-    caplog.set_level(logging.INFO, logger="lonnymq.dashboard")
     queue = make_queue(archive=True)
     first, second, third = _fail(queue, "orders", 3)
     served = serve()
@@ -220,7 +218,7 @@ def test_replay_asks_then_creates_the_messages_again_and_is_logged(
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "archived"))
     assert queue.channel("orders").stats() is None  # nothing replayed yet
     browser.find_element(By.CSS_SELECTOR, f"#archived-{third} a.replay-one").click()
-    browser.find_element(By.ID, "confirm").click()
+    _confirm(browser)
     assert _text(browser, "done") == "Done: 1 replayed."
     assert "replayed as" in _text(browser, f"archived-{third}")
     waiting = queue.dequeue(lock_ms=LOCK_MS)
@@ -231,16 +229,14 @@ def test_replay_asks_then_creates_the_messages_again_and_is_logged(
     for picked in (first, second):
         browser.find_element(By.CSS_SELECTOR, f"#archived-{picked} input.pick").click()
     browser.find_element(By.ID, "replay-selected").click()
-    question = _text(browser, "question")
+    question = _confirm(browser)
     assert question.startswith(f"Replay 2 archived message(s) ({first}, {second})")
-    browser.find_element(By.ID, "confirm").click()
     assert _text(browser, "done") == "Done: 2 replayed."
     again = queue.dequeue_many(5, lock_ms=LOCK_MS)
     assert sorted(m.content for m in again) == [b"job 0", b"job 1"]
     assert not browser.find_elements(By.CSS_SELECTOR, "input.pick")
     _no_alert(browser)
-    done = [r.getMessage() for r in caplog.records if r.name == "lonnymq.dashboard"]
-    assert done == [
+    assert dashboard_log() == [
         f"dashboard replay of archived messages {third} (replayed 1) from 127.0.0.1",
         f"dashboard replay of archived messages {first},{second} (replayed 2) from 127.0.0.1",
     ]
@@ -286,16 +282,16 @@ def test_replay_without_its_confirmation_or_read_only_is_refused(
 def test_bad_replay_requests_are_refused_with_a_message(
     serve: Callable[..., Served], queue: Queue
 ) -> None:
-    served = serve()
-    for query, expected in (
-        ("", "choose at least one archived message"),
-        ("id=x", "not a whole number"),
-        ("id=0", "a message id is 1 or more"),
-        ("id=" + ",".join(map(str, range(1, 1002))), "at most 1000 messages a replay"),
-    ):
-        status, body = get(served, "/archive/replay?" + query)
-        assert status == 400, query
-        assert expected in body, query
+    assert_bad_requests(
+        serve(),
+        "/archive/replay?",
+        (
+            ("", "choose at least one archived message"),
+            ("id=x", "not a whole number"),
+            ("id=0", "a message id is 1 or more"),
+            ("id=" + ",".join(map(str, range(1, 1002))), "at most 1000 messages a replay"),
+        ),
+    )
 
 
 def test_a_role_without_the_admin_grant_may_not_replay(

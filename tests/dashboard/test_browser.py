@@ -45,6 +45,16 @@ def _text(browser: Any, element_id: str) -> str:
     return found[0]
 
 
+def _confirm(browser: Any) -> str:
+    """Confirm the question the page asks, and wait for what came of it; the question."""
+    question = _text(browser, "question")
+    browser.find_element(By.ID, "confirm").click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda b: b.find_elements(By.ID, "done") or b.find_elements(By.ID, "error")
+    )
+    return question
+
+
 def _cells(browser: Any, selector: str) -> list[str]:
     return list(
         browser.execute_script(
