@@ -71,6 +71,12 @@ def dashboard_log(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
 
 
 @pytest.fixture
+def archiving_queue(queue: Queue, make_queue: Callable[..., Queue]) -> Queue:
+    """The test's queue (the one ``serve`` serves), installed again with the archive on."""
+    return make_queue(archive=True)
+
+
+@pytest.fixture
 def serve(dsn: str, queue: Queue) -> Iterator[Callable[..., Served]]:
     """``serve(**options)``: the dashboard of the test's queue, stopped after the test;
     ``wrap`` builds the application served around the dashboard's (to mount it); ``as_dsn``

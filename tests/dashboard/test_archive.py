@@ -85,12 +85,11 @@ def _next(body: str) -> str | None:
 
 
 def test_failures_are_listed_newest_first_with_their_error_escaped(
-    serve: Callable[..., Served], make_queue: Callable[..., Queue]
+    serve: Callable[..., Served], archiving_queue: Queue
 ) -> None:
-    queue = make_queue(archive=True)
     error = TRACEBACK.format(message=HOSTILE + " \u202e" + "é" * 300)
-    failed = _fail(queue, HOSTILE, 2, error=error)
-    completed = _complete(queue, "fine", 3)
+    failed = _fail(archiving_queue, HOSTILE, 2, error=error)
+    completed = _complete(archiving_queue, "fine", 3)
     served = serve()
     status, body = get(served, "/archive")
     assert status == 200, body
@@ -122,10 +121,9 @@ def test_failures_are_listed_newest_first_with_their_error_escaped(
 
 
 def test_a_long_error_is_cut_and_says_how_long_it_was(
-    serve: Callable[..., Served], make_queue: Callable[..., Queue]
+    serve: Callable[..., Served], archiving_queue: Queue
 ) -> None:
-    queue = make_queue(archive=True)
-    _fail(queue, "c", 1, error="S" + "E" * 20_000 + "\nRuntimeError: at the end")
+    _fail(archiving_queue, "c", 1, error="S" + "E" * 20_000 + "\nRuntimeError: at the end")
     _, body = get(serve(), "/archive")
     head, tail = "S" + "E" * 8_191, "E" * (8_192 - 25) + "\nRuntimeError: at the end"
     assert f'<pre class="traceback">{head}\n…\n{tail}</pre>' in body
@@ -134,13 +132,12 @@ def test_a_long_error_is_cut_and_says_how_long_it_was(
 
 
 def test_pages_walk_on_where_a_sparse_filter_leaves_off(
-    serve: Callable[..., Served], make_queue: Callable[..., Queue], dsn: str
+    serve: Callable[..., Served], archiving_queue: Queue, dsn: str
 ) -> None:
     """A page walks at most 10,000 archived rows; a filter matching few of them still pages
     through every match, by id, each page a bounded walk."""
-    queue = make_queue(archive=True)
-    rare = _fail(queue, "rare", 3)
-    _fail(queue, "common", 120)
+    rare = _fail(archiving_queue, "rare", 3)
+    _fail(archiving_queue, "common", 120)
     served = serve()
     seen: list[int] = []
     path: str | None = "/archive"
@@ -157,7 +154,7 @@ def test_pages_walk_on_where_a_sparse_filter_leaves_off(
         statement = sql.SQL(
             "SELECT id, next_before FROM {}.dashboard_archive(p_channel => 'rare', "
             "p_before_id => %s, p_limit => 2, p_scan_cap => 50)"
-        ).format(sql.Identifier(queue.schema))
+        ).format(sql.Identifier(archiving_queue.schema))
         found: list[int] = []
         before = None
         calls = 0
@@ -172,7 +169,7 @@ def test_pages_walk_on_where_a_sparse_filter_leaves_off(
         # 50 rows walked, then 50, then 23 (a full page: two of the rare ones), then the last.
         assert calls == 4
         bad = sql.SQL("SELECT * FROM {}.dashboard_archive(p_scan_cap => 0)").format(
-            sql.Identifier(queue.schema)
+            sql.Identifier(archiving_queue.schema)
         )
         with pytest.raises(psycopg.Error, match="scan_cap must be between"):
             conn.execute(bad)
@@ -195,11 +192,10 @@ def test_without_the_archive_the_page_says_so(serve: Callable[..., Served], queu
 def test_replay_asks_then_creates_the_messages_again_and_is_logged(
     browser: Any,
     serve: Callable[..., Served],
-    make_queue: Callable[..., Queue],
+    archiving_queue: Queue,
     dashboard_log: Callable[[], list[str]],
 ) -> None:
-    queue = make_queue(archive=True)
-    first, second, third = _fail(queue, "orders", 3)
+    first, second, third = _fail(archiving_queue, "orders", 3)
     served = serve()
     browser.get(served.url)
     browser.find_element(By.ID, "nav-archive").click()
@@ -216,15 +212,15 @@ def test_replay_asks_then_creates_the_messages_again_and_is_logged(
     assert _text(browser, "question").startswith(f"Replay 1 archived message(s) ({third})")
     browser.find_element(By.ID, "cancel").click()
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "archived"))
-    assert queue.channel("orders").stats() is None  # nothing replayed yet
+    assert archiving_queue.channel("orders").stats() is None  # nothing replayed yet
     browser.find_element(By.CSS_SELECTOR, f"#archived-{third} a.replay-one").click()
     _confirm(browser)
     assert _text(browser, "done") == "Done: 1 replayed."
     assert "replayed as" in _text(browser, f"archived-{third}")
-    waiting = queue.dequeue(lock_ms=LOCK_MS)
+    waiting = archiving_queue.dequeue(lock_ms=LOCK_MS)
     assert waiting is not None
     assert waiting.content == b"job 2"
-    queue.delete(waiting)
+    archiving_queue.delete(waiting)
 
     for picked in (first, second):
         browser.find_element(By.CSS_SELECTOR, f"#archived-{picked} input.pick").click()
@@ -232,7 +228,7 @@ def test_replay_asks_then_creates_the_messages_again_and_is_logged(
     question = _confirm(browser)
     assert question.startswith(f"Replay 2 archived message(s) ({first}, {second})")
     assert _text(browser, "done") == "Done: 2 replayed."
-    again = queue.dequeue_many(5, lock_ms=LOCK_MS)
+    again = archiving_queue.dequeue_many(5, lock_ms=LOCK_MS)
     assert sorted(m.content for m in again) == [b"job 0", b"job 1"]
     assert not browser.find_elements(By.CSS_SELECTOR, "input.pick")
     _no_alert(browser)
@@ -243,10 +239,9 @@ def test_replay_asks_then_creates_the_messages_again_and_is_logged(
 
 
 def test_replay_without_its_confirmation_or_read_only_is_refused(
-    serve: Callable[..., Served], make_queue: Callable[..., Queue]
+    serve: Callable[..., Served], archiving_queue: Queue
 ) -> None:
-    queue = make_queue(archive=True)
-    first, second = _fail(queue, "c", 2)
+    first, second = _fail(archiving_queue, "c", 2)
     served = serve()
     form = _form(served, f"id={first}")
     assert form["ids"] == str(first)
@@ -274,9 +269,9 @@ def test_replay_without_its_confirmation_or_read_only_is_refused(
     assert "Replay is off" in page
     assert "replay-one" not in page
     assert 'class="pick"' not in page
-    assert queue.channel("c").stats() is None  # nothing was replayed
+    assert archiving_queue.channel("c").stats() is None  # nothing was replayed
     assert _post(served, "/archive/replay", form)[0] == 303
-    assert queue.channel("c").stats() is not None
+    assert archiving_queue.channel("c").stats() is not None
 
 
 def test_bad_replay_requests_are_refused_with_a_message(

@@ -38,14 +38,13 @@ def _act(browser: Any, served: Served, channel: str, message_id: int, link: str)
 def test_delete_and_due_now_do_what_they_say_and_are_logged(
     browser: Any,
     serve: Callable[..., Served],
-    make_queue: Callable[..., Queue],
+    archiving_queue: Queue,
     dashboard_log: Callable[[], list[str]],
 ) -> None:
-    queue = make_queue(archive=True)
     hostile = "<b>tenant</b>\u202e"
-    now = queue.now()
-    due = queue.create(b"due", channel=hostile).id
-    later = queue.create(b"later", channel=hostile, dequeue_at=now + HOUR_MS).id
+    now = archiving_queue.now()
+    due = archiving_queue.create(b"due", channel=hostile).id
+    later = archiving_queue.create(b"later", channel=hostile, dequeue_at=now + HOUR_MS).id
     assert due is not None
     assert later is not None
     served = serve()
@@ -59,16 +58,16 @@ def test_delete_and_due_now_do_what_they_say_and_are_logged(
     assert question.startswith(f"Make message {later} of channel <b>tenant</b>\\u202e due now")
     assert _text(browser, "done") == "Done: expedite."
     assert not browser.find_elements(By.CSS_SELECTOR, "a.expedite")
-    taken = queue.dequeue_many(5, lock_ms=LOCK_MS)
+    taken = archiving_queue.dequeue_many(5, lock_ms=LOCK_MS)
     assert [m.id for m in taken] == [due, later]
     for message in taken:
-        queue.defer(message, dequeue_at=now + HOUR_MS)
+        archiving_queue.defer(message, dequeue_at=now + HOUR_MS)
 
     question = _act(browser, served, hostile, due, "discard")
     assert question.startswith(f"Delete message {due} of channel <b>tenant</b>\\u202e")
     assert _text(browser, "done") == "Done: discard."
     assert _ids(browser) == [later]
-    (archived,) = queue.archived()
+    (archived,) = archiving_queue.archived()
     assert (archived.id, archived.outcome) == (due, "discarded")
     _no_alert(browser)
     assert dashboard_log() == [
