@@ -27,16 +27,34 @@ from lonnymq import NewMessage, Queue, cli
 from lonnymq.migrate import latest_version
 
 
-def _run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "LONNYMQ_DSN": dsn}
+def _cli(
+    *args: str, env: dict[str, str], stdin: str | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """``python -m lonnymq.cli *args`` with exactly ``env``, its output captured as text."""
     return subprocess.run(
         [sys.executable, "-m", "lonnymq.cli", *args],
         capture_output=True,
         text=True,
+        input=stdin,
         env=env,
-        timeout=240,
+        timeout=timeout,
         check=False,
     )
+
+
+def _run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return _cli(*args, env={**os.environ, "LONNYMQ_DSN": dsn})
+
+
+def _assert_refused(
+    result: subprocess.CompletedProcess[str], *expected: str, returncode: int = 1
+) -> None:
+    """The command failed with ``returncode``, each of ``expected`` in its stderr, and no
+    traceback."""
+    assert result.returncode == returncode, result.stderr
+    for text in expected:
+        assert text in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_install_and_stats_json(dsn: str, schema_name: str) -> None:
@@ -188,14 +206,12 @@ def test_dsn_and_schema_may_follow_the_subcommand(dsn: str, schema_name: str) ->
 
 def test_a_malformed_environment_value_is_a_usage_error(dsn: str, schema_name: str) -> None:
     env = {**os.environ, "LONNYMQ_DSN": dsn, "LONNYMQ_LIMIT": "ten"}
-    command = [sys.executable, "-m", "lonnymq.cli", "--schema", schema_name, "archive", "list"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    assert result.returncode == 2
-    assert "argument --limit: invalid int value: 'ten'" in result.stderr
-    assert "Traceback" not in result.stderr
+    command = ("--schema", schema_name, "archive", "list")
+    result = _cli(*command, env=env)
+    _assert_refused(result, "argument --limit: invalid int value: 'ten'", returncode=2)
     # Other subcommands do not read it; on the command line, the option wins over it.
     assert _run(dsn, "--schema", schema_name, "install").returncode == 0
-    given = subprocess.run([*command, "--limit", "5"], capture_output=True, env=env, check=False)
+    given = _cli(*command, "--limit", "5", env=env)
     assert given.returncode == 0, given.stderr
 
 
@@ -203,13 +219,10 @@ def test_archive_list_refuses_an_unknown_outcome(dsn: str, schema_name: str) -> 
     """A typo (here or in LONNYMQ_OUTCOME) found nothing, silently: it is a usage error."""
     assert _run(dsn, "--schema", schema_name, "install", "--archive").returncode == 0
     typo = _run(dsn, "--schema", schema_name, "archive", "list", "--outcome", "faild")
-    assert typo.returncode == 2
-    assert "must be one of completed, failed: 'faild'" in typo.stderr
-    command = [sys.executable, "-m", "lonnymq.cli", "--schema", schema_name, "archive", "list"]
+    _assert_refused(typo, "must be one of completed, failed: 'faild'", returncode=2)
     env = {**os.environ, "LONNYMQ_DSN": dsn, "LONNYMQ_OUTCOME": "Failed"}
-    by_env = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    assert by_env.returncode == 2
-    assert "argument --outcome" in by_env.stderr
+    by_env = _cli("--schema", schema_name, "archive", "list", env=env)
+    _assert_refused(by_env, "argument --outcome", returncode=2)
     for outcome in ("completed", "failed"):
         assert (
             _run(dsn, "--schema", schema_name, "archive", "list", "--outcome", outcome).returncode
@@ -219,9 +232,7 @@ def test_archive_list_refuses_an_unknown_outcome(dsn: str, schema_name: str) -> 
 
 def test_bad_schema_name_is_a_clean_error(dsn: str) -> None:
     result = _run(dsn, "--schema", 'x"; DROP TABLE y; --', "stats")
-    assert result.returncode == 1
-    assert "InvalidArgumentError" in result.stderr
-    assert "Traceback" not in result.stderr
+    _assert_refused(result, "InvalidArgumentError")
 
 
 def _demo_without(java: Path | None, dsn: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -230,24 +241,13 @@ def _demo_without(java: Path | None, dsn: str, tmp_path: Path) -> subprocess.Com
     env.update(LONNYMQ_DSN=dsn, PATH=str(tmp_path / "empty"))
     if java is not None:
         env["JAVA_HOME"] = str(java)
-    return subprocess.run(
-        [sys.executable, "-m", "lonnymq.cli", "demo", "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    return _cli("demo", "--out", str(tmp_path / "out"), env=env, timeout=60)
 
 
 def test_demo_without_java_says_what_to_install(dsn: str, tmp_path: Path) -> None:
     # The full demo runs in tests/spark/test_demo.py; here, its first check, before any work.
     result = _demo_without(None, dsn, tmp_path)
-    assert result.returncode == 1
-    assert "needs Java 17+" in result.stderr
-    assert "no java on PATH" in result.stderr
-    assert "JAVA_HOME" in result.stderr
-    assert "Traceback" not in result.stderr
+    _assert_refused(result, "needs Java 17+", "no java on PATH", "JAVA_HOME")
     assert not (tmp_path / "out").exists()
 
 
@@ -258,43 +258,36 @@ def test_demo_with_an_old_java_says_so(dsn: str, tmp_path: Path) -> None:
     java.write_text("#!/bin/sh\necho 'openjdk version \"11.0.21\" 2023-10-17' >&2\n")
     java.chmod(0o755)
     result = _demo_without(java_home, dsn, tmp_path)
-    assert result.returncode == 1
-    assert f"{java} is Java 11" in result.stderr
-    assert "Traceback" not in result.stderr
+    _assert_refused(result, f"{java} is Java 11")
 
 
 def test_demo_refuses_a_tiny_dataset(dsn: str) -> None:
     result = _run(dsn, "demo", "--rows", "10")
-    assert result.returncode == 1
-    assert "--rows must be >= 100" in result.stderr
+    _assert_refused(result, "--rows must be >= 100")
 
 
 def test_dashboard_refuses_a_port_in_use(dsn: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         result = _run(dsn, "dashboard", "--port", str(port))
-    assert result.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
-    assert "Traceback" not in result.stderr
+    _assert_refused(result, f"cannot listen on 127.0.0.1:{port}")
 
 
 def test_demo_refuses_a_dashboard_port_out_of_range(dsn: str) -> None:
     result = _run(dsn, "demo", "--dashboard", "70000")
-    assert result.returncode == 1
-    assert "--dashboard must be a port between 0 and 65535, got 70000" in result.stderr
+    _assert_refused(result, "--dashboard must be a port between 0 and 65535, got 70000")
 
 
 def _run_in(
     dsn: str, schema: str, *args: str, stdin: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "lonnymq.cli", "--schema", schema, *args],
-        capture_output=True,
-        text=True,
-        input=stdin,
+    return _cli(
+        "--schema",
+        schema,
+        *args,
         env={**os.environ, "LONNYMQ_DSN": dsn, **(env or {})},
+        stdin=stdin,
         timeout=120,
-        check=False,
     )
 
 
@@ -653,11 +646,9 @@ def test_migrate_print_refuses_a_bad_schema_name(dsn: str) -> None:
 def test_create_refuses_contradictory_options(dsn: str, schema_name: str) -> None:
     assert _run_in(dsn, schema_name, "install").returncode == 0
     both = _run_in(dsn, schema_name, "create", "a", "--dequeue-at", "1", "--delay-ms", "5")
-    assert both.returncode == 1
-    assert "not both" in both.stderr
+    _assert_refused(both, "not both")
     dedup = _run_in(dsn, schema_name, "create", "a", "b", "--dedup-key", "k")
-    assert dedup.returncode == 1
-    assert "exactly one message" in dedup.stderr
+    _assert_refused(dedup, "exactly one message")
 
 
 def test_policy_set_show_clear(dsn: str, schema_name: str) -> None:
@@ -738,8 +729,7 @@ def test_worker_command_runs_a_handler_until_idle(
     stats = json.loads(worked.stdout.splitlines()[-1])
     assert (stats["completed"], stats["failed"]) == (2, 1)
     missing = _run_in(dsn, schema_name, "worker", "cli_handlers:nope", env=env)
-    assert missing.returncode == 1
-    assert "cannot load handler" in missing.stderr
+    _assert_refused(missing, "cannot load handler")
     # The installed script finds a handler module in the current directory, as `python -m`.
     assert _run_in(dsn, schema_name, "create", "ok3").returncode == 0
     script = Path(sys.executable).parent / "lonnymq"
@@ -786,14 +776,7 @@ def test_sigterm_stops_a_command_and_the_embedded_server_it_started(tmp_path: Pa
     env["PYTHONUNBUFFERED"] = "1"  # each view as it is printed
     # Installed, and one message so that each view prints a line.
     for command in (["install"], ["create", "x", "--channel", "a"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "lonnymq.cli", *command],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=240,
-            check=False,
-        )
+        done = _cli(*command, env=env)
         assert done.returncode == 0, done.stderr
     process = subprocess.Popen(
         [sys.executable, "-m", "lonnymq.cli", "top", "--json"],

@@ -4,6 +4,7 @@ with its own event loop and AsyncQueue), and one headless Chromium for the test 
 from __future__ import annotations
 
 import http.client
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -51,6 +52,28 @@ def get(served: Served, path: str) -> tuple[int, str]:
         return response.status, response.read().decode()
     finally:
         conn.close()
+
+
+def assert_bad_requests(served: Served, path: str, cases: tuple[tuple[str, str], ...]) -> None:
+    """Each ``(query, expected)`` of ``cases``: GET ``path + query`` is refused with 400, and
+    the body says ``expected``."""
+    for query, expected in cases:
+        status, body = get(served, path + query)
+        assert status == 400, query
+        assert expected in body, query
+
+
+@pytest.fixture
+def dashboard_log(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
+    """``dashboard_log()``: the messages the dashboard has logged (INFO and above) so far."""
+    caplog.set_level(logging.INFO, logger="lonnymq.dashboard")
+    return lambda: [r.getMessage() for r in caplog.records if r.name == "lonnymq.dashboard"]
+
+
+@pytest.fixture
+def archiving_queue(queue: Queue, make_queue: Callable[..., Queue]) -> Queue:
+    """The test's queue (the one ``serve`` serves), installed again with the archive on."""
+    return make_queue(archive=True)
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from lonnymq import NewMessage, Policy, Queue
 
-from .conftest import Served
-from .test_browser import WAIT_S, _text
+from .conftest import Served, assert_bad_requests
+from .test_browser import WAIT_S, _confirm, _text
 
 PASSWORD = "lonnymq-dashboard-pw"
 
@@ -32,35 +32,32 @@ def _policy(queue: Queue, channel: str) -> Policy | None:
     return None if stats is None else stats.policy
 
 
-def _confirm(browser: Any, served: Served, channel: str, button: str) -> str:
+def _press(browser: Any, served: Served, channel: str, button: str) -> str:
     """Press ``button`` on the channel's page, then confirm; returns the question asked."""
     browser.get(served.url + "channel?name=" + quote(channel, safe=""))
     browser.find_element(By.ID, button).click()
-    question = _text(browser, "question")
-    browser.find_element(By.ID, "confirm").click()
-    WebDriverWait(browser, WAIT_S).until(
-        lambda b: b.find_elements(By.ID, "done") or b.find_elements(By.ID, "error")
-    )
-    return question
+    return _confirm(browser)
 
 
 @pytest.mark.browser
 def test_each_action_asks_then_does_what_it_says_and_is_logged(
-    browser: Any, serve: Callable[..., Served], queue: Queue, caplog: pytest.LogCaptureFixture
+    browser: Any,
+    serve: Callable[..., Served],
+    queue: Queue,
+    dashboard_log: Callable[[], list[str]],
 ) -> None:
-    caplog.set_level(logging.INFO, logger="lonnymq.dashboard")
     queue.create_many([NewMessage(b"x", channel="orders") for _ in range(3)])
     queue.channel("orders").set_policy(max_concurrency=4, release_interval_ms=50)
     served = serve()
 
-    question = _confirm(browser, served, "orders", "pause")
+    question = _press(browser, served, "orders", "pause")
     assert question.startswith("Pause channel orders")
     assert _text(browser, "done") == "Done: pause."
     assert "paused" in _text(browser, "policy")
     assert _policy(queue, "orders") == Policy(0, 50, None)
     assert queue.dequeue(lock_ms=1000) is None
 
-    question = _confirm(browser, served, "orders", "resume")
+    question = _press(browser, served, "orders", "resume")
     assert question.startswith("Resume channel orders")
     # The concurrency limit it had before the pause is back.
     assert _policy(queue, "orders") == Policy(4, 50, None)
@@ -81,9 +78,9 @@ def test_each_action_asks_then_does_what_it_says_and_is_logged(
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "done"))
     assert _policy(queue, "orders") == Policy(2, None, 9)
 
-    _confirm(browser, served, "orders", "clear")
+    _press(browser, served, "orders", "clear")
     assert _policy(queue, "orders") == Policy(None, None, None)
-    done = [r.getMessage() for r in caplog.records if r.name == "lonnymq.dashboard"]
+    done = dashboard_log()
     assert [line.split(" on ")[0] for line in done] == [
         "dashboard pause",
         "dashboard resume",
@@ -147,20 +144,16 @@ def test_an_action_without_its_confirmation_is_refused(
 def test_bad_action_requests_are_refused_with_a_message(
     serve: Callable[..., Served], queue: Queue
 ) -> None:
-    served = serve()
-    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
-    for query, expected in (
-        ("action=explode&name=c", "unknown action"),
-        ("action=pause&name=", "channel name must be 1 to 255"),
-        ("action=set&name=c&max_size=-1", "max_size must be 0 or more"),
-        ("action=set&name=c&max_size=many", "not a whole number"),
-    ):
-        conn.request("GET", "/channel/action?" + query)
-        response = conn.getresponse()
-        body = response.read().decode()
-        assert response.status == 400, query
-        assert expected in body, query
-    conn.close()
+    assert_bad_requests(
+        serve(),
+        "/channel/action?",
+        (
+            ("action=explode&name=c", "unknown action"),
+            ("action=pause&name=", "channel name must be 1 to 255"),
+            ("action=set&name=c&max_size=-1", "max_size must be 0 or more"),
+            ("action=set&name=c&max_size=many", "not a whole number"),
+        ),
+    )
 
 
 @pytest.mark.browser
@@ -216,6 +209,6 @@ def test_a_role_without_the_admin_grant_is_refused(
 ) -> None:
     queue.create(b"x", channel="c")
     served = serve(as_dsn=worker_role)
-    _confirm(browser, served, "c", "pause")
+    _press(browser, served, "c", "pause")
     assert "the database role may not do this" in _text(browser, "error")
     assert _policy(queue, "c") == Policy(None, None, None)

@@ -7,7 +7,6 @@ so."""
 from __future__ import annotations
 
 import http.client
-import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +21,9 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from lonnymq import NewMessage, Queue
 
-from .conftest import Served, get
+from .conftest import Served, assert_bad_requests, get
 from .test_actions import worker_role  # noqa: F401 (a fixture)
-from .test_browser import LOCK_MS, WAIT_S, _cells, _no_alert, _text
+from .test_browser import LOCK_MS, WAIT_S, _cells, _confirm, _no_alert, _text
 
 HOSTILE = "<script>alert('x')</script>"
 TRACEBACK = (
@@ -86,12 +85,11 @@ def _next(body: str) -> str | None:
 
 
 def test_failures_are_listed_newest_first_with_their_error_escaped(
-    serve: Callable[..., Served], make_queue: Callable[..., Queue]
+    serve: Callable[..., Served], archiving_queue: Queue
 ) -> None:
-    queue = make_queue(archive=True)
     error = TRACEBACK.format(message=HOSTILE + " \u202e" + "é" * 300)
-    failed = _fail(queue, HOSTILE, 2, error=error)
-    completed = _complete(queue, "fine", 3)
+    failed = _fail(archiving_queue, HOSTILE, 2, error=error)
+    completed = _complete(archiving_queue, "fine", 3)
     served = serve()
     status, body = get(served, "/archive")
     assert status == 200, body
@@ -123,10 +121,9 @@ def test_failures_are_listed_newest_first_with_their_error_escaped(
 
 
 def test_a_long_error_is_cut_and_says_how_long_it_was(
-    serve: Callable[..., Served], make_queue: Callable[..., Queue]
+    serve: Callable[..., Served], archiving_queue: Queue
 ) -> None:
-    queue = make_queue(archive=True)
-    _fail(queue, "c", 1, error="S" + "E" * 20_000 + "\nRuntimeError: at the end")
+    _fail(archiving_queue, "c", 1, error="S" + "E" * 20_000 + "\nRuntimeError: at the end")
     _, body = get(serve(), "/archive")
     head, tail = "S" + "E" * 8_191, "E" * (8_192 - 25) + "\nRuntimeError: at the end"
     assert f'<pre class="traceback">{head}\n…\n{tail}</pre>' in body
@@ -135,13 +132,12 @@ def test_a_long_error_is_cut_and_says_how_long_it_was(
 
 
 def test_pages_walk_on_where_a_sparse_filter_leaves_off(
-    serve: Callable[..., Served], make_queue: Callable[..., Queue], dsn: str
+    serve: Callable[..., Served], archiving_queue: Queue, dsn: str
 ) -> None:
     """A page walks at most 10,000 archived rows; a filter matching few of them still pages
     through every match, by id, each page a bounded walk."""
-    queue = make_queue(archive=True)
-    rare = _fail(queue, "rare", 3)
-    _fail(queue, "common", 120)
+    rare = _fail(archiving_queue, "rare", 3)
+    _fail(archiving_queue, "common", 120)
     served = serve()
     seen: list[int] = []
     path: str | None = "/archive"
@@ -158,7 +154,7 @@ def test_pages_walk_on_where_a_sparse_filter_leaves_off(
         statement = sql.SQL(
             "SELECT id, next_before FROM {}.dashboard_archive(p_channel => 'rare', "
             "p_before_id => %s, p_limit => 2, p_scan_cap => 50)"
-        ).format(sql.Identifier(queue.schema))
+        ).format(sql.Identifier(archiving_queue.schema))
         found: list[int] = []
         before = None
         calls = 0
@@ -173,7 +169,7 @@ def test_pages_walk_on_where_a_sparse_filter_leaves_off(
         # 50 rows walked, then 50, then 23 (a full page: two of the rare ones), then the last.
         assert calls == 4
         bad = sql.SQL("SELECT * FROM {}.dashboard_archive(p_scan_cap => 0)").format(
-            sql.Identifier(queue.schema)
+            sql.Identifier(archiving_queue.schema)
         )
         with pytest.raises(psycopg.Error, match="scan_cap must be between"):
             conn.execute(bad)
@@ -196,12 +192,10 @@ def test_without_the_archive_the_page_says_so(serve: Callable[..., Served], queu
 def test_replay_asks_then_creates_the_messages_again_and_is_logged(
     browser: Any,
     serve: Callable[..., Served],
-    make_queue: Callable[..., Queue],
-    caplog: pytest.LogCaptureFixture,
+    archiving_queue: Queue,
+    dashboard_log: Callable[[], list[str]],
 ) -> None:
-    caplog.set_level(logging.INFO, logger="lonnymq.dashboard")
-    queue = make_queue(archive=True)
-    first, second, third = _fail(queue, "orders", 3)
+    first, second, third = _fail(archiving_queue, "orders", 3)
     served = serve()
     browser.get(served.url)
     browser.find_element(By.ID, "nav-archive").click()
@@ -218,39 +212,36 @@ def test_replay_asks_then_creates_the_messages_again_and_is_logged(
     assert _text(browser, "question").startswith(f"Replay 1 archived message(s) ({third})")
     browser.find_element(By.ID, "cancel").click()
     WebDriverWait(browser, WAIT_S).until(lambda b: b.find_elements(By.ID, "archived"))
-    assert queue.channel("orders").stats() is None  # nothing replayed yet
+    assert archiving_queue.channel("orders").stats() is None  # nothing replayed yet
     browser.find_element(By.CSS_SELECTOR, f"#archived-{third} a.replay-one").click()
-    browser.find_element(By.ID, "confirm").click()
+    _confirm(browser)
     assert _text(browser, "done") == "Done: 1 replayed."
     assert "replayed as" in _text(browser, f"archived-{third}")
-    waiting = queue.dequeue(lock_ms=LOCK_MS)
+    waiting = archiving_queue.dequeue(lock_ms=LOCK_MS)
     assert waiting is not None
     assert waiting.content == b"job 2"
-    queue.delete(waiting)
+    archiving_queue.delete(waiting)
 
     for picked in (first, second):
         browser.find_element(By.CSS_SELECTOR, f"#archived-{picked} input.pick").click()
     browser.find_element(By.ID, "replay-selected").click()
-    question = _text(browser, "question")
+    question = _confirm(browser)
     assert question.startswith(f"Replay 2 archived message(s) ({first}, {second})")
-    browser.find_element(By.ID, "confirm").click()
     assert _text(browser, "done") == "Done: 2 replayed."
-    again = queue.dequeue_many(5, lock_ms=LOCK_MS)
+    again = archiving_queue.dequeue_many(5, lock_ms=LOCK_MS)
     assert sorted(m.content for m in again) == [b"job 0", b"job 1"]
     assert not browser.find_elements(By.CSS_SELECTOR, "input.pick")
     _no_alert(browser)
-    done = [r.getMessage() for r in caplog.records if r.name == "lonnymq.dashboard"]
-    assert done == [
+    assert dashboard_log() == [
         f"dashboard replay of archived messages {third} (replayed 1) from 127.0.0.1",
         f"dashboard replay of archived messages {first},{second} (replayed 2) from 127.0.0.1",
     ]
 
 
 def test_replay_without_its_confirmation_or_read_only_is_refused(
-    serve: Callable[..., Served], make_queue: Callable[..., Queue]
+    serve: Callable[..., Served], archiving_queue: Queue
 ) -> None:
-    queue = make_queue(archive=True)
-    first, second = _fail(queue, "c", 2)
+    first, second = _fail(archiving_queue, "c", 2)
     served = serve()
     form = _form(served, f"id={first}")
     assert form["ids"] == str(first)
@@ -278,24 +269,24 @@ def test_replay_without_its_confirmation_or_read_only_is_refused(
     assert "Replay is off" in page
     assert "replay-one" not in page
     assert 'class="pick"' not in page
-    assert queue.channel("c").stats() is None  # nothing was replayed
+    assert archiving_queue.channel("c").stats() is None  # nothing was replayed
     assert _post(served, "/archive/replay", form)[0] == 303
-    assert queue.channel("c").stats() is not None
+    assert archiving_queue.channel("c").stats() is not None
 
 
 def test_bad_replay_requests_are_refused_with_a_message(
     serve: Callable[..., Served], queue: Queue
 ) -> None:
-    served = serve()
-    for query, expected in (
-        ("", "choose at least one archived message"),
-        ("id=x", "not a whole number"),
-        ("id=0", "a message id is 1 or more"),
-        ("id=" + ",".join(map(str, range(1, 1002))), "at most 1000 messages a replay"),
-    ):
-        status, body = get(served, "/archive/replay?" + query)
-        assert status == 400, query
-        assert expected in body, query
+    assert_bad_requests(
+        serve(),
+        "/archive/replay?",
+        (
+            ("", "choose at least one archived message"),
+            ("id=x", "not a whole number"),
+            ("id=0", "a message id is 1 or more"),
+            ("id=" + ",".join(map(str, range(1, 1002))), "at most 1000 messages a replay"),
+        ),
+    )
 
 
 def test_a_role_without_the_admin_grant_may_not_replay(

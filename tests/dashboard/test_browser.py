@@ -45,6 +45,16 @@ def _text(browser: Any, element_id: str) -> str:
     return found[0]
 
 
+def _confirm(browser: Any) -> str:
+    """Confirm the question the page asks, and wait for what came of it; the question."""
+    question = _text(browser, "question")
+    browser.find_element(By.ID, "confirm").click()
+    WebDriverWait(browser, WAIT_S).until(
+        lambda b: b.find_elements(By.ID, "done") or b.find_elements(By.ID, "error")
+    )
+    return question
+
+
 def _cells(browser: Any, selector: str) -> list[str]:
     return list(
         browser.execute_script(
@@ -109,16 +119,19 @@ def _no_alert(browser: Any) -> None:
 def test_overview_numbers_move_as_messages_come_and_go(
     browser: Any,
     serve: Callable[..., Served],
-    make_queue: Callable[..., Queue],
+    archiving_queue: Queue,
     dsn: str,
     tmp_path: Path,
 ) -> None:
-    queue = make_queue(archive=True)
     served = serve()
     browser.get(served.url)
     _wait_text(browser, "waiting", "0")
-    queue.create_many([NewMessage(b"job %d" % i, channel=f"tenant-{i % 3}") for i in range(30)])
-    queue.create(b"later", channel="tenant-0", dequeue_at=queue.now() + 3_600_000)
+    archiving_queue.create_many(
+        [NewMessage(b"job %d" % i, channel=f"tenant-{i % 3}") for i in range(30)]
+    )
+    archiving_queue.create(
+        b"later", channel="tenant-0", dequeue_at=archiving_queue.now() + 3_600_000
+    )
     _wait_text(browser, "waiting", "31")
     _wait_text(browser, "due", "30")
     _wait_text(browser, "scheduled", "1")
@@ -126,13 +139,13 @@ def test_overview_numbers_move_as_messages_come_and_go(
     assert _text(browser, "failed-rate") == "0.0"
     # A worker's connection: it takes and finishes, then publishes its row counts at once.
     with psycopg.connect(dsn, autocommit=True) as worker:
-        held = queue.dequeue_many(12, lock_ms=LOCK_MS, conn=worker)
+        held = archiving_queue.dequeue_many(12, lock_ms=LOCK_MS, conn=worker)
         assert len(held) == 12
         _wait_text(browser, "locked", "12")
         _wait_text(browser, "waiting", "19")
-        queue.delete_many(held[:8], conn=worker)
+        archiving_queue.delete_many(held[:8], conn=worker)
         for message in held[8:10]:
-            queue.fail(message, error="boom", conn=worker)
+            archiving_queue.fail(message, error="boom", conn=worker)
         worker.execute("SELECT pg_stat_force_next_flush()")
         worker.execute("SELECT 1")
         _wait_text(browser, "locked", "2")

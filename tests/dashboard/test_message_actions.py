@@ -5,20 +5,18 @@ the admin grant."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
 import pytest
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support.ui import WebDriverWait
 
 from lonnymq import Queue
 
-from .conftest import Served, get
+from .conftest import Served, assert_bad_requests, get
 from .test_actions import _form, _post, worker_role  # noqa: F401 (a fixture)
-from .test_browser import LOCK_MS, WAIT_S, _cells, _no_alert, _text
+from .test_browser import LOCK_MS, _cells, _confirm, _no_alert, _text
 
 HOUR_MS = 3_600_000
 
@@ -33,27 +31,20 @@ def _act(browser: Any, served: Served, channel: str, message_id: int, link: str)
     rows = browser.find_elements(By.CSS_SELECTOR, "tr.message-row")
     row = next(r for r in rows if r.find_element(By.TAG_NAME, "td").text == str(message_id))
     row.find_element(By.CSS_SELECTOR, f"a.{link}").click()
-    question = _text(browser, "question")
-    browser.find_element(By.ID, "confirm").click()
-    WebDriverWait(browser, WAIT_S).until(
-        lambda b: b.find_elements(By.ID, "done") or b.find_elements(By.ID, "error")
-    )
-    return question
+    return _confirm(browser)
 
 
 @pytest.mark.browser
 def test_delete_and_due_now_do_what_they_say_and_are_logged(
     browser: Any,
     serve: Callable[..., Served],
-    make_queue: Callable[..., Queue],
-    caplog: pytest.LogCaptureFixture,
+    archiving_queue: Queue,
+    dashboard_log: Callable[[], list[str]],
 ) -> None:
-    caplog.set_level(logging.INFO, logger="lonnymq.dashboard")
-    queue = make_queue(archive=True)
     hostile = "<b>tenant</b>\u202e"
-    now = queue.now()
-    due = queue.create(b"due", channel=hostile).id
-    later = queue.create(b"later", channel=hostile, dequeue_at=now + HOUR_MS).id
+    now = archiving_queue.now()
+    due = archiving_queue.create(b"due", channel=hostile).id
+    later = archiving_queue.create(b"later", channel=hostile, dequeue_at=now + HOUR_MS).id
     assert due is not None
     assert later is not None
     served = serve()
@@ -67,20 +58,19 @@ def test_delete_and_due_now_do_what_they_say_and_are_logged(
     assert question.startswith(f"Make message {later} of channel <b>tenant</b>\\u202e due now")
     assert _text(browser, "done") == "Done: expedite."
     assert not browser.find_elements(By.CSS_SELECTOR, "a.expedite")
-    taken = queue.dequeue_many(5, lock_ms=LOCK_MS)
+    taken = archiving_queue.dequeue_many(5, lock_ms=LOCK_MS)
     assert [m.id for m in taken] == [due, later]
     for message in taken:
-        queue.defer(message, dequeue_at=now + HOUR_MS)
+        archiving_queue.defer(message, dequeue_at=now + HOUR_MS)
 
     question = _act(browser, served, hostile, due, "discard")
     assert question.startswith(f"Delete message {due} of channel <b>tenant</b>\\u202e")
     assert _text(browser, "done") == "Done: discard."
     assert _ids(browser) == [later]
-    (archived,) = queue.archived()
+    (archived,) = archiving_queue.archived()
     assert (archived.id, archived.outcome) == (due, "discarded")
     _no_alert(browser)
-    done = [r.getMessage() for r in caplog.records if r.name == "lonnymq.dashboard"]
-    assert done == [
+    assert dashboard_log() == [
         f"dashboard expedite on channel {hostile!r} (message {later}) from 127.0.0.1",
         f"dashboard discard on channel {hostile!r} (message {due}) from 127.0.0.1",
     ]
@@ -134,15 +124,16 @@ def test_message_actions_are_refused_when_they_must_be(
     assert status == 409
     assert "is not in channel" in body
     assert {m.id for m in queue.dequeue_many(5, lock_ms=LOCK_MS)} == {other}
-    for query, expected in (
-        ("action=discard&name=c", "a message id is 1 or more, got None"),
-        ("action=expedite&name=c&id=0", "a message id is 1 or more, got 0"),
-        ("action=discard&name=c&id=x", "not a whole number"),
-        ("action=discard&name=c&id=99999999999999999999", "a number out of range"),
-    ):
-        status, body = get(served, "/channel/action?" + query)
-        assert status == 400, query
-        assert expected in body, query
+    assert_bad_requests(
+        served,
+        "/channel/action?",
+        (
+            ("action=discard&name=c", "a message id is 1 or more, got None"),
+            ("action=expedite&name=c&id=0", "a message id is 1 or more, got 0"),
+            ("action=discard&name=c&id=x", "not a whole number"),
+            ("action=discard&name=c&id=99999999999999999999", "a number out of range"),
+        ),
+    )
 
 
 def test_a_role_without_the_admin_grant_may_not_act_on_a_message(

@@ -29,18 +29,29 @@ from lonnymq.worker import AsyncWorker, Worker, WorkerStats
 HOLD_FLUSH_MS = 10_000
 
 
-def _archive(admin: psycopg.Connection[Any], schema: str) -> list[tuple[bytes, str, int]]:
-    query = sql.SQL("SELECT content, outcome, num_attempts FROM {}.archive ORDER BY id").format(
-        sql.Identifier(schema)
-    )
-    return [(bytes(row[0]), row[1], row[2]) for row in admin.execute(query).fetchall()]
+class _Rows:
+    """The test schema's rows as the admin reads them, in id order: (content, outcome,
+    num_attempts) of the archive, (content, is_locked, num_attempts) of the message table."""
+
+    def __init__(self, admin: psycopg.Connection[Any], schema: str) -> None:
+        self.admin, self.schema = admin, schema
+
+    def _read(self, table: str, column: str) -> list[tuple[bytes, Any, int]]:
+        query = sql.SQL("SELECT content, {}, num_attempts FROM {} ORDER BY id").format(
+            sql.Identifier(column), sql.Identifier(self.schema, table)
+        )
+        return [(bytes(row[0]), row[1], row[2]) for row in self.admin.execute(query).fetchall()]
+
+    def archive(self) -> list[tuple[bytes, str, int]]:
+        return self._read("archive", "outcome")
+
+    def held(self) -> list[tuple[bytes, bool, int]]:
+        return self._read("message", "is_locked")
 
 
-def _held(admin: psycopg.Connection[Any], schema: str) -> list[tuple[bytes, bool, int]]:
-    query = sql.SQL("SELECT content, is_locked, num_attempts FROM {}.message ORDER BY id").format(
-        sql.Identifier(schema)
-    )
-    return [(bytes(row[0]), row[1], row[2]) for row in admin.execute(query).fetchall()]
+@pytest.fixture
+def rows(admin: psycopg.Connection[Any], schema_name: str) -> _Rows:
+    return _Rows(admin, schema_name)
 
 
 def _until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
@@ -54,7 +65,7 @@ def _until(condition: Callable[[], bool], what: str, timeout: float = 60) -> Non
 
 
 def test_settle_reports_every_kind_of_outcome_and_takes_in_one_call(
-    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+    make_queue: Callable[..., Queue], rows: _Rows
 ) -> None:
     queue = make_queue(archive=True)
     queue.channel("dead").set_policy(max_concurrency=0)
@@ -87,18 +98,18 @@ def test_settle_reports_every_kind_of_outcome_and_takes_in_one_call(
         AckStatus.STALE,
     ]
     assert [m.content for m in batch.messages] == [b"next"]
-    assert _archive(admin, schema_name) == [
+    assert rows.archive() == [
         (b"m1", "failed", 1),
         (b"m3", "failed", 1),
         (b"m4", "completed", 1),
     ]
-    held = {(content, locked, attempts) for content, locked, attempts in _held(admin, schema_name)}
+    held = {(content, locked, attempts) for content, locked, attempts in rows.held()}
     assert held == {(b"m0", True, 2), (b"m2", False, 1), (b"m3", False, 0), (b"next", True, 1)}
     assert queue.dequeue_many(10, lock_ms=60_000) == []  # "m2" waits an hour, "m3" is paused
 
 
 def test_settle_leaves_a_dead_letter_whose_channel_is_full_held(
-    make_queue: Callable[..., Queue], admin: psycopg.Connection[Any], schema_name: str
+    make_queue: Callable[..., Queue], rows: _Rows
 ) -> None:
     queue = make_queue(archive=True)
     queue.channel("dead").set_policy(max_concurrency=0, max_size=1)
@@ -109,8 +120,8 @@ def test_settle_leaves_a_dead_letter_whose_channel_is_full_held(
     batch = queue.settle([Outcome.dead_letter(message, channel="dead", error="x")], 0, lock_ms=1)
     assert batch.completed == [AckStatus.FULL]
     assert batch.messages == []
-    assert _held(admin, schema_name) == [(b"already", False, 0), (b"poison", True, 1)]
-    assert _archive(admin, schema_name) == []
+    assert rows.held() == [(b"already", False, 0), (b"poison", True, 1)]
+    assert rows.archive() == []
 
 
 def test_settle_refuses_bad_input_and_changes_nothing(queue: Queue) -> None:
@@ -180,8 +191,7 @@ def _run_worker(
 def test_a_lock_lost_before_its_batch_is_flushed_is_not_reported_done(
     dsn: str,
     make_queue: Callable[..., Queue],
-    admin: psycopg.Connection[Any],
-    schema_name: str,
+    rows: _Rows,
     use_async: bool,
 ) -> None:
     """Three handlers return; their outcomes are flushed together. Before the flush, the
@@ -213,13 +223,13 @@ def test_a_lock_lost_before_its_batch_is_flushed_is_not_reported_done(
         idle_ms=100,
     )
     try:
-        _until(lambda: len(_archive(admin, schema_name)) == 2, "the batch was not flushed")
+        _until(lambda: len(rows.archive()) == 2, "the batch was not flushed")
     finally:
         stop()
     stats = join()
     assert (stats.completed, stats.lost) == (2, 0)
-    assert sorted(_archive(admin, schema_name)) == [(b"b", "completed", 1), (b"c", "completed", 1)]
-    assert _held(admin, schema_name) == [(b"a", True, 2)]  # the other consumer's
+    assert sorted(rows.archive()) == [(b"b", "completed", 1), (b"c", "completed", 1)]
+    assert rows.held() == [(b"a", True, 2)]  # the other consumer's
     assert len(stolen) == 1
 
 
@@ -279,7 +289,7 @@ def _wait_for_lines(proc: subprocess.Popen[str], wanted: set[str], tmp_path: Pat
 def test_a_crash_before_the_flush_brings_the_message_back_and_reports_it_once(
     dsn: str,
     make_queue: Callable[..., Queue],
-    admin: psycopg.Connection[Any],
+    rows: _Rows,
     schema_name: str,
     tmp_path: Path,
 ) -> None:
@@ -291,11 +301,11 @@ def test_a_crash_before_the_flush_brings_the_message_back_and_reports_it_once(
     proc = _spawn(dsn, schema_name, 10.0, tmp_path)  # "slow" is never released
     try:
         _wait_for_lines(proc, {"returned fast", "start slow"}, tmp_path)
-        assert _archive(admin, schema_name) == []  # waiting for the flush
+        assert rows.archive() == []  # waiting for the flush
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
-    assert _held(admin, schema_name) == [(b"fast", True, 1), (b"slow", True, 1)]
+    assert rows.held() == [(b"fast", True, 1), (b"slow", True, 1)]
     queue.set_clock_offset(5_000)  # past the dead worker's 2 s locks
     ran: list[bytes] = []
     stats = Worker(queue, lambda m: ran.append(m.content), concurrency=2).run(
@@ -303,18 +313,18 @@ def test_a_crash_before_the_flush_brings_the_message_back_and_reports_it_once(
     )
     assert sorted(ran) == [b"fast", b"slow"]
     assert stats.completed == 2
-    assert sorted(_archive(admin, schema_name)) == [
+    assert sorted(rows.archive()) == [
         (b"fast", "completed", 2),
         (b"slow", "completed", 2),
     ]
-    assert _held(admin, schema_name) == []
+    assert rows.held() == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("outlives_grace", [False, True], ids=["finishes", "outlives"])
 def test_sigterm_flushes_the_waiting_outcomes_and_gives_back_the_rest(
     make_queue: Callable[..., Queue],
-    admin: psycopg.Connection[Any],
+    rows: _Rows,
     schema_name: str,
     tmp_path: Path,
     outlives_grace: bool,
@@ -338,12 +348,12 @@ def test_sigterm_flushes_the_waiting_outcomes_and_gives_back_the_rest(
     assert proc.returncode == 0, (tmp_path / "worker.log").read_text()
     if outlives_grace:
         assert "stopped 1 1" in out
-        assert _archive(admin, schema_name) == [(b"fast", "completed", 1)]
-        assert _held(admin, schema_name) == [(b"slow", False, 1)]
+        assert rows.archive() == [(b"fast", "completed", 1)]
+        assert rows.held() == [(b"slow", False, 1)]
     else:
         assert "stopped 2 0" in out
-        assert sorted(_archive(admin, schema_name)) == [
+        assert sorted(rows.archive()) == [
             (b"fast", "completed", 1),
             (b"slow", "completed", 1),
         ]
-        assert _held(admin, schema_name) == []
+        assert rows.held() == []

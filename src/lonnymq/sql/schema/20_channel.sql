@@ -393,6 +393,64 @@ END;
 $$;
 
 
+-- channel_wait_many(): the set-based form of channel_wait_locked, for a batch's new messages
+-- in channels whose rows the caller holds (p_before: each row as locked, before the batch):
+-- p_added[i] messages of channel p_names[i] now wait, none due before p_ats[i] nor with an id
+-- below p_from_ids[i]. Counts them (channels with a policy; a policy-free channel's counter
+-- stays 0), brings each channel's next dequeue time forward to p_ats[i] when that is sooner
+-- (no sooner than the release interval allows) and where its waiting messages begin down to
+-- (p_ats[i], p_from_ids[i]), which sorts no later than any of them. Then announces the channel
+-- that got servable soonest, if any got sooner, naming its first new message (the lowest id
+-- from p_from_ids[i]): one event covers the batch (event_publish keeps one per transaction,
+-- the soonest), and the ready floor brought down to the soonest covers the others.
+-- Locks: the channel rows (held by the caller). Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_wait_many(
+    p_before channel[], p_names TEXT[], p_added BIGINT[], p_ats BIGINT[], p_from_ids BIGINT[],
+    p_type TEXT
+) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_changed RECORD;
+BEGIN
+    FOR v_changed IN
+        WITH updated AS (
+            UPDATE channel c SET
+                current_size = CASE WHEN c.has_policy THEN c.current_size + a.n ELSE 0 END,
+                next_dequeue_at = least(c.next_dequeue_at, greatest(a.at,
+                    c.last_dequeue_at + coalesce(c.release_interval_ms, 0))),
+                (head_at, head_id) = (
+                    SELECT k.at, k.id
+                    FROM (VALUES (c.head_at, c.head_id), (a.at, a.from_id)) k(at, id)
+                    ORDER BY k.at, k.id LIMIT 1)
+            FROM unnest(p_names, p_added, p_ats, p_from_ids) AS a(name, n, at, from_id)
+            WHERE c.name = a.name
+            RETURNING c.name, c.next_dequeue_at, c.current_concurrency, c.max_concurrency,
+                      a.from_id
+        )
+        SELECT u.name, u.from_id,
+               channel_servable_at(b.next_dequeue_at, b.current_concurrency,
+                   b.max_concurrency) AS before_at,
+               channel_servable_at(u.next_dequeue_at, u.current_concurrency,
+                   u.max_concurrency) AS after_at
+        FROM updated u JOIN unnest(p_before) AS b ON b.name = u.name
+        ORDER BY after_at NULLS LAST
+    LOOP
+        IF v_changed.after_at IS NOT NULL
+           AND (v_changed.before_at IS NULL OR v_changed.after_at < v_changed.before_at) THEN
+            PERFORM channel_announce(v_changed.before_at, v_changed.after_at, p_type,
+                (SELECT min(m.id) FROM message m
+                 WHERE m.id >= v_changed.from_id AND m.channel = v_changed.name),
+                v_changed.name);
+            EXIT;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+
 -- channel_rotate(): send a channel to the back after a dequeue: its next time becomes its next
 -- waiting message's dequeue_at (not before p_now when it was just served), and its row goes
 -- when nothing waits. Pushing the time later or deleting the row needs the channel's exclusive

@@ -87,7 +87,6 @@ DECLARE
     v_sizes BIGINT[];
     v_try BOOLEAN[];
     v_inserted BIGINT;
-    v_changed RECORD;
 BEGIN
     PERFORM arg_check(v_count IS NOT NULL, 'contents must not be NULL');
     PERFORM arg_check(v_count <= 100000,
@@ -233,45 +232,18 @@ BEGIN
         RAISE EXCEPTION 'dedup keys of the batch kept changing hands' USING ERRCODE = '40001';
     END IF;
 
-    -- Count the new messages (channels with a policy) and bring each channel's next dequeue
-    -- time forward to its earliest new message (respecting the release interval); announce
-    -- what got sooner.
-    FOR v_changed IN
-        WITH added AS (
-            SELECT coalesce(t.channel, 'default') AS channel, count(*) AS n,
-                   min(coalesce(t.dequeue_at, v_now)) AS min_at,
-                   min(t.id) AS first_id
-            FROM unnest(v_ids, p_channels, p_dequeue_ats, v_kind)
-                AS t(id, channel, dequeue_at, kind)
-            WHERE t.kind = 'created'
-            GROUP BY 1
-        ), updated AS (
-            UPDATE channel c SET
-                current_size = CASE WHEN c.has_policy THEN c.current_size + a.n ELSE 0 END,
-                next_dequeue_at = least(c.next_dequeue_at, greatest(a.min_at,
-                    c.last_dequeue_at + coalesce(c.release_interval_ms, 0))),
-                -- (min_at, first_id) sorts no later than any new message of the channel.
-                (head_at, head_id) = (
-                    SELECT k.at, k.id
-                    FROM (VALUES (c.head_at, c.head_id), (a.min_at, a.first_id)) k(at, id)
-                    ORDER BY k.at, k.id LIMIT 1)
-            FROM added a
-            WHERE c.name = a.channel
-            RETURNING c.name, c.next_dequeue_at, c.current_concurrency, c.max_concurrency,
-                      a.first_id
-        )
-        SELECT u.name, u.first_id,
-               channel_servable_at(b.next_dequeue_at, b.current_concurrency,
-                   b.max_concurrency) AS before_at,
-               channel_servable_at(u.next_dequeue_at, u.current_concurrency,
-                   u.max_concurrency) AS after_at
-        FROM updated u JOIN unnest(v_before) AS b ON b.name = u.name
-        -- Soonest first: one announcement then covers the batch.
-        ORDER BY after_at NULLS LAST
-    LOOP
-        PERFORM channel_announce(v_changed.before_at, v_changed.after_at, 'created',
-            v_changed.first_id, v_changed.name);
-    END LOOP;
+    -- Count the new messages (channels with a policy), bring each channel's next dequeue time
+    -- forward to its earliest new message (respecting the release interval), and announce.
+    PERFORM channel_wait_many(v_before, array_agg(a.channel ORDER BY a.channel),
+        array_agg(a.n ORDER BY a.channel), array_agg(a.min_at ORDER BY a.channel),
+        array_agg(a.first_id ORDER BY a.channel), 'created')
+    FROM (
+        SELECT coalesce(t.channel, 'default') AS channel, count(*) AS n,
+               min(coalesce(t.dequeue_at, v_now)) AS min_at, min(t.id) AS first_id
+        FROM unnest(v_ids, p_channels, p_dequeue_ats, v_kind) AS t(id, channel, dequeue_at, kind)
+        WHERE t.kind = 'created'
+        GROUP BY 1
+    ) a;
 
     -- Leave no useless policy-free row behind (a channel all of whose items were refused).
     DELETE FROM channel c

@@ -123,7 +123,6 @@ DECLARE
     v_floor BIGINT;
     v_chunk RECORD;
     v_result RECORD;
-    v_changed RECORD;
 BEGIN
     PERFORM arg_check(p_sink_id IS NOT NULL AND p_batch_id IS NOT NULL AND p_write_id IS NOT NULL,
         'sink_id, batch_id and write_id must not be NULL');
@@ -219,41 +218,11 @@ BEGIN
     staged := v_fast_rows;
     created := v_fast_rows;
 
-    -- Bring each fast channel's next dequeue time forward to its earliest new message (the
-    -- formula of message_create_many). One event covers the write: the channel that got
-    -- servable soonest, if any got sooner (event_publish keeps one per transaction, the
-    -- soonest), naming its first new message.
-    FOR v_changed IN
-        WITH updated AS (
-            UPDATE channel c SET
-                next_dequeue_at = least(c.next_dequeue_at, greatest(a.min_at,
-                    c.last_dequeue_at + coalesce(c.release_interval_ms, 0))),
-                -- (min_at, v_floor) sorts no later than any new message of the channel.
-                (head_at, head_id) = (
-                    SELECT k.at, k.id
-                    FROM (VALUES (c.head_at, c.head_id), (a.min_at, v_floor)) k(at, id)
-                    ORDER BY k.at, k.id LIMIT 1)
-            FROM unnest(v_fast, v_fast_ats) AS a(channel, min_at)
-            WHERE c.name = a.channel
-            RETURNING c.name, c.next_dequeue_at, c.current_concurrency, c.max_concurrency
-        )
-        SELECT u.name,
-               channel_servable_at(b.next_dequeue_at, b.current_concurrency,
-                   b.max_concurrency) AS before_at,
-               channel_servable_at(u.next_dequeue_at, u.current_concurrency,
-                   u.max_concurrency) AS after_at
-        FROM updated u JOIN unnest(v_before) AS b ON b.name = u.name
-        ORDER BY after_at NULLS LAST
-    LOOP
-        IF v_changed.after_at IS NOT NULL
-           AND (v_changed.before_at IS NULL OR v_changed.after_at < v_changed.before_at) THEN
-            PERFORM channel_announce(v_changed.before_at, v_changed.after_at, 'created',
-                (SELECT min(m.id) FROM message m
-                 WHERE m.id > v_floor AND m.channel = v_changed.name),
-                v_changed.name);
-            EXIT;
-        END IF;
-    END LOOP;
+    -- Bring each fast channel's next dequeue time forward to its earliest new message, and
+    -- announce the one that got servable soonest (channel_wait_many, as message_create_many).
+    PERFORM channel_wait_many(v_before, v_fast,
+        array_fill(0::BIGINT, ARRAY[cardinality(v_fast)]), v_fast_ats,
+        array_fill(v_floor, ARRAY[cardinality(v_fast)]), 'created');
 
     -- The other channels: through message_create_many (only when there are any).
     FOR v_chunk IN
