@@ -159,3 +159,30 @@ def timed_dequeues() -> Callable[[Queue, int], tuple[list[Message], float]]:
         return taken, best
 
     return run
+
+
+@pytest.fixture
+def report_worker(queue: Queue) -> Callable[..., None]:
+    """``report_worker(worker_id, **changes)``: a worker's report of itself into the test's
+    queue (``worker_report``, as a Worker sends it once a heartbeat round), ``changes`` made to
+    a report of an idle worker."""
+
+    def report(worker_id: str, **changes: Any) -> None:
+        params: dict[str, Any] = {
+            "id": worker_id,
+            "host": "host-1",
+            "pid": 42,
+            "every_ms": 1000,
+            "concurrency": 4,
+            "running": 0,
+            "message_ids": [],
+            "channels": [],
+            "served_ms": 0,
+            "served_channels": [],
+            "served_counts": [],
+            "served_other": 0,
+        }
+        params.update(changes)
+        queue._fetch("worker_report", params, None)
+
+    return report

@@ -19,7 +19,7 @@ from lonnymq.worker import Worker
 
 from .conftest import Served, get
 from .test_browser import WAIT_S, _cells, _read, _screenshot
-from .test_workers import HOSTILE, _report
+from .test_workers import HOSTILE
 
 ESCAPED = "&lt;script&gt;alert(&#39;w&#39;)&lt;/script&gt;"
 # The dashboard reads the workers' table at most once a second.
@@ -50,16 +50,16 @@ def _cards(served: Served, path: str, expected: tuple[str, str, str]) -> str:
 
 
 def test_rates_and_shares_come_from_the_live_workers_reports(
-    serve: Callable[..., Served], queue: Queue
+    serve: Callable[..., Served], queue: Queue, report_worker: Callable[..., None]
 ) -> None:
     for name in ("a", HOSTILE, "b"):
         queue.create(b"x", channel=name)
     # A worker that stopped reporting counts no more.
-    _report(queue, "old", served_ms=1000, served_channels=["b"], served_counts=[900])
+    report_worker("old", served_ms=1000, served_channels=["b"], served_counts=[900])
     queue.set_clock_offset(10_000)
     # 300 of a and 100 of the hostile channel in 2 s; 50 more of a in 1 s.
-    _report(queue, "w1", served_ms=2000, served_channels=["a", HOSTILE], served_counts=[300, 100])
-    _report(queue, "w2", served_ms=1000, served_channels=["a"], served_counts=[50])
+    report_worker("w1", served_ms=2000, served_channels=["a", HOSTILE], served_counts=[300, 100])
+    report_worker("w2", served_ms=1000, served_channels=["a"], served_counts=[50])
     served = serve()
     status, body = get(served, "/channels")
     assert status == 200, body
@@ -73,7 +73,7 @@ def test_rates_and_shares_come_from_the_live_workers_reports(
     taken = re.findall(r'<td class="num taken">(.*?)</td>', body)
     assert taken == ["-", "200.0", "50.0"]  # the gone worker, then w1 and w2
     # A report that took from channels it does not name: those it does not name are unknown.
-    _report(queue, "w3", served_ms=1000, served_channels=["a"], served_counts=[10], served_other=40)
+    report_worker("w3", served_ms=1000, served_channels=["a"], served_counts=[10], served_other=40)
     time.sleep(READ_EVERY_S)
     status, body = get(served, "/channels")
     assert _cell(body, "b", "served") == "-"

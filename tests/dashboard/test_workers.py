@@ -20,25 +20,6 @@ from .test_browser import WAIT_S, _cells, _no_alert
 HOSTILE = "<script>alert('w')</script>"
 
 
-def _report(queue: Queue, worker_id: str, **changes: Any) -> None:
-    params: dict[str, Any] = {
-        "id": worker_id,
-        "host": "host-1",
-        "pid": 42,
-        "every_ms": 1000,
-        "concurrency": 4,
-        "running": 0,
-        "message_ids": [],
-        "channels": [],
-        "served_ms": 0,
-        "served_channels": [],
-        "served_counts": [],
-        "served_other": 0,
-    }
-    params.update(changes)
-    queue._fetch("worker_report", params, None)
-
-
 @pytest.mark.browser
 def test_a_running_worker_shows_up_with_what_it_runs_then_stops(
     browser: Any, serve: Callable[..., Served], queue: Queue
@@ -81,11 +62,11 @@ def test_a_running_worker_shows_up_with_what_it_runs_then_stops(
 
 
 def test_a_worker_that_stopped_reporting_is_shown_gone(
-    serve: Callable[..., Served], queue: Queue
+    serve: Callable[..., Served], queue: Queue, report_worker: Callable[..., None]
 ) -> None:
-    _report(queue, "quiet", running=1, message_ids=[5], channels=[HOSTILE], host=HOSTILE)
+    report_worker("quiet", running=1, message_ids=[5], channels=[HOSTILE], host=HOSTILE)
     queue.set_clock_offset(10_000)  # ten of its one-second rounds without a report
-    _report(queue, "fresh")
+    report_worker("fresh")
     served = serve()
     status, body = get(served, "/workers")
     assert status == 200, body

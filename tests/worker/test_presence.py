@@ -247,29 +247,10 @@ def test_an_async_worker_reports_itself_too(dsn: str, queue: Queue, admin: Any) 
     assert row[6] is not None
 
 
-def _report(queue: Queue, **changes: Any) -> None:
-    params: dict[str, Any] = {
-        "id": "w1",
-        "host": "h",
-        "pid": 1,
-        "every_ms": 1000,
-        "concurrency": 4,
-        "running": 1,
-        "message_ids": [7],
-        "channels": ["c"],
-        "served_ms": 0,
-        "served_channels": [],
-        "served_counts": [],
-        "served_other": 0,
-    }
-    params.update(changes)
-    queue._fetch("worker_report", params, None)
-
-
 def test_reports_are_checked_and_old_rows_removed(
-    queue: Queue, admin: psycopg.Connection[Any]
+    queue: Queue, admin: psycopg.Connection[Any], report_worker: Callable[..., None]
 ) -> None:
-    _report(queue)
+    report_worker("w1", running=1, message_ids=[7], channels=["c"])
     before = _rows(admin, queue)
     for changes, error in (
         ({"id": ""}, InvalidArgumentError),
@@ -296,12 +277,12 @@ def test_reports_are_checked_and_old_rows_removed(
         ({"served_channels": [""], "served_counts": [1]}, InvalidChannelError),
     ):
         with pytest.raises(error):
-            _report(queue, **{"id": "w2", **changes})
+            report_worker("w2", **changes)
     assert _rows(admin, queue) == before
     # A row not seen for an hour goes with the next report of any worker.
     queue.set_clock_offset(3_600_001)
-    _report(queue, id="w2")
-    assert [r[0] for r in _rows(admin, queue)] == ["h"]
+    report_worker("w2")
+    assert [r[0] for r in _rows(admin, queue)] == ["host-1"]
     (count,) = admin.execute(
         sql.SQL("SELECT count(*) FROM {}.worker WHERE id = 'w1'").format(
             sql.Identifier(queue.schema)
