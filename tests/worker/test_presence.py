@@ -263,7 +263,7 @@ def test_reports_are_checked_and_old_rows_removed(
         ({"message_ids": [1, 2]}, InvalidArgumentError),
         ({"message_ids": [None], "channels": ["c"]}, InvalidArgumentError),
         ({"message_ids": list(range(101)), "channels": ["c"] * 101}, InvalidArgumentError),
-        ({"channels": [""]}, InvalidChannelError),
+        ({"message_ids": [7], "channels": [""]}, InvalidChannelError),
         ({"served_ms": -1}, InvalidArgumentError),
         ({"served_ms": 86_400_001}, InvalidArgumentError),
         ({"served_other": -1}, InvalidArgumentError),
