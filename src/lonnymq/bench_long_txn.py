@@ -97,7 +97,7 @@ STATEMENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "channel_next": (("SET next_dequeue_at = n.next_at",), ()),
     "busy_channel": (("SELECT c.name FROM channel c", "c.next_dequeue_at <= v_now"), ("SKIP",)),
     "ride_along": (("h.channel = v_busy AND NOT h.is_locked",), ()),
-    "rotate": (("WHERE m.channel = p_channel AND NOT m.is_locked",), ()),
+    "rotate": (("r.channel = p_channel AND NOT r.is_locked",), ()),
     "retry_at": (("SELECT least(", "m.is_locked"), ()),
     # Finish: the delete, the look-up of the channel's policy.
     "finish_delete": (("DELETE FROM message m WHERE m.id = p_id",), ()),

@@ -110,10 +110,13 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
             "message": frozenset({"message_channel_head_ix", "message_pkey"}),
         },
     ),
-    # ... and those channels to the back, from their next waiting heads (channel_first).
+    # ... and those channels to the back, from their next waiting heads.
     "spread_turn_back": (
-        "channel_first_from(f.name, f.head_at, f.head_id)",
-        {"channel": frozenset({"channel_pkey"})},
+        "s.channel = f.name AND NOT s.is_locked",
+        {
+            "channel": frozenset({"channel_pkey"}),
+            "message": frozenset({"message_channel_head_ix"}),
+        },
     ),
     # A channel's first waiting message, from where its row says they begin (channel_first).
     "first_waiting": (
@@ -133,8 +136,11 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     # message_take_one (a dequeue of one message): the channel whose head it took goes to the
     # back in the statement that reads its next head.
     "turn_back": (
-        "channel_first_from(v_channel.name, v_channel.head_at, v_channel.head_id)",
-        {"channel": frozenset({"channel_pkey"})},
+        "t.channel = v_channel.name AND NOT t.is_locked",
+        {
+            "channel": frozenset({"channel_pkey"}),
+            "message": frozenset({"message_channel_head_ix"}),
+        },
     ),
     "update_channel": (
         "n.channel = c.name",
@@ -145,7 +151,10 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     ),
     # channel_rotate() (a channel without a policy): its next waiting head, then its row is
     # updated or, once drained, deleted.
-    "rotate_head": ("channel_first_from(p_channel, p_head_at, p_head_id)", {}),
+    "rotate_head": (
+        "r.channel = p_channel AND NOT r.is_locked",
+        {"message": frozenset({"message_channel_head_ix"})},
+    ),
     "rotate_channel": ("c.name = p_channel", {"channel": frozenset({"channel_pkey"})}),
     "retry_at": (
         "SELECT least(",

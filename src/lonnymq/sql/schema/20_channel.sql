@@ -27,7 +27,11 @@
 -- - A writer that makes a message wait (create, defer, give back, expedite, a schedule's new
 --   time) reads the row after taking the channel's shared advisory lock (or its row) and,
 --   when the message sorts before (head_at, head_id), brings them down to it in the same
---   transaction (a policy-free channel's row is otherwise left alone).
+--   transaction (a policy-free channel's row is otherwise left alone). A row made for a
+--   message gets a mark a second below it, (dequeue_at - 1000, 0): a creator whose
+--   transaction began up to a second earlier (its messages stamped with that start) then has
+--   nothing to bring down, where bringing it down would lock the row, and wait for every
+--   take holding it.
 -- - Only a take that holds the row and the channel's exclusive advisory lock moves them up
 --   (channel_head_advance, in a worker's message_settle): with that lock no such writer is in
 --   flight (each holds the shared lock or waits for the row), so a statement run after it
@@ -194,7 +198,8 @@ $$;
 -- channel_ready_ix: no servable channel's next time lies below the value it returns, as far
 -- as the queue knows. Two sequences hold it (no row versions, so reading them costs the same
 -- whatever the horizon): ready_floor_seq, the floor, which every change that makes a channel
--- servable sooner than it brings down at once (channel_ready_lower), and ready_sweep_seq, the
+-- servable sooner than it brings down at once (set at once, not at commit: a take meanwhile
+-- only looks lower than it needs to), and ready_sweep_seq, the
 -- clock of the last look from the low end. About once a second (the first take after the
 -- sweep's clock is a second old, or when the clock moved back) a take looks from the low end
 -- instead, for the first servable channel (rows that other sessions hold count, as the
@@ -230,25 +235,8 @@ END;
 $$;
 
 
--- channel_ready_lower(): a channel may now be servable at p_at: bring the ready floor down to
--- it when it lies below (channel_ready_floor). The sequence is set at once, not at commit: a
--- take meanwhile only looks lower than it needs to.
--- Locks: none. Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION channel_ready_lower(p_at BIGINT) RETURNS VOID
-LANGUAGE plpgsql
-SET search_path FROM CURRENT
-SET enable_seqscan = off SET jit = off
-AS $$
-BEGIN
-    IF p_at < (SELECT f.last_value FROM ready_floor_seq f) THEN
-        PERFORM setval('ready_floor_seq', p_at);
-    END IF;
-END;
-$$;
-
-
 -- channel_announce(): a change made a channel servable at p_after (NULL: not servable), at
--- p_before before it: bring the ready floor down to it (channel_ready_lower), and publish an
+-- p_before before it: bring the ready floor down to it (channel_ready_floor), and publish an
 -- event when it is sooner than before (the only case where a sleeping worker has a reason to
 -- wake). Every change that makes a channel servable sooner calls it.
 -- Locks: none. Raises: nothing of ours.
@@ -262,7 +250,11 @@ BEGIN
     IF p_after IS NULL THEN
         RETURN;
     END IF;
-    PERFORM channel_ready_lower(p_after);
+    -- (Written out, here and in channel_rotate: a call of a function for it, once per new
+    -- channel of a batch, cost more than the test itself.)
+    IF p_after < (SELECT f.last_value FROM ready_floor_seq f) THEN
+        PERFORM setval('ready_floor_seq', p_after);
+    END IF;
     IF p_before IS NULL OR p_after < p_before THEN
         PERFORM event_publish(p_type, p_id, p_channel, p_after);
     END IF;
@@ -303,10 +295,11 @@ BEGIN
         -- Missing as the caller saw it: made by one creator at a time, each looking again
         -- (as committed now) once it holds the channel's creation lock, so a row another
         -- session made meanwhile is not inserted over. Nothing else waits in a channel
-        -- without a row, so its waiting messages begin at this one.
+        -- without a row, so its waiting messages begin at this one: the mark is set a second
+        -- below it (the rules at the top of this file).
         PERFORM pg_advisory_xact_lock(channel_key(p_channel) # 1);
         INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
-        SELECT p_channel, p_at, p_at, p_id
+        SELECT p_channel, p_at, p_at - 1000, 0
         WHERE NOT EXISTS (SELECT FROM channel x WHERE x.name = p_channel)
         ON CONFLICT (name) DO NOTHING;
         IF FOUND THEN
@@ -339,7 +332,7 @@ BEGIN
     ELSE
         -- Still invisible to this transaction (a snapshot older than the row): an upsert.
         INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
-        VALUES (p_channel, p_at, p_at, p_id)
+        VALUES (p_channel, p_at, p_at - 1000, 0)
         ON CONFLICT (name) DO UPDATE SET
             next_dequeue_at = least(c.next_dequeue_at, p_at),
             (head_at, head_id) = (
@@ -470,29 +463,39 @@ SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$
 DECLARE
     v_next_at BIGINT;
+    v_locked BOOLEAN := FALSE;
 BEGIN
-    SELECT CASE WHEN p_served THEN greatest(f.dequeue_at, p_now) ELSE f.dequeue_at END
-    INTO v_next_at
-    FROM channel_first_from(p_channel, p_head_at, p_head_id) f;
-    IF v_next_at IS NULL OR v_next_at > p_now THEN
-        IF pg_try_advisory_xact_lock(channel_key(p_channel)) THEN
-            -- Creates that committed since the first read are visible to this statement.
-            SELECT CASE WHEN p_served THEN greatest(f.dequeue_at, p_now) ELSE f.dequeue_at END
-            INTO v_next_at
-            FROM channel_first_from(p_channel, p_head_at, p_head_id) f;
-            IF v_next_at IS NULL THEN
-                DELETE FROM channel c WHERE c.name = p_channel;
-                RETURN;
-            END IF;
-        ELSE
+    LOOP
+        -- The next waiting head, read as channel_first_from reads it (written out: a call
+        -- would be planned anew each time).
+        SELECT CASE WHEN p_served THEN greatest(r.dequeue_at, p_now) ELSE r.dequeue_at END
+        INTO v_next_at
+        FROM message r
+        WHERE r.channel = p_channel AND NOT r.is_locked
+          AND (r.dequeue_at, r.id) >= (p_head_at, p_head_id)
+        ORDER BY r.dequeue_at, r.id
+        LIMIT 1;
+        EXIT WHEN v_locked OR v_next_at <= p_now;
+        IF NOT pg_try_advisory_xact_lock(channel_key(p_channel)) THEN
             -- Someone is creating or finishing in this channel right now: look again shortly.
             v_next_at := least(v_next_at, p_now + 10);
+            EXIT;
         END IF;
+        -- Read again under the lock: creates that committed since the first read are visible
+        -- to the next statement.
+        v_locked := TRUE;
+    END LOOP;
+    IF v_locked AND v_next_at IS NULL THEN
+        DELETE FROM channel c WHERE c.name = p_channel;
+        RETURN;
     END IF;
     UPDATE channel c SET next_dequeue_at = v_next_at, turn = nextval('channel_turn_seq'),
         last_dequeue_at = CASE WHEN p_served THEN p_now ELSE c.last_dequeue_at END
     WHERE c.name = p_channel;
-    -- (Its head may be older than the clock: one that riders hold, or an early one.)
-    PERFORM channel_ready_lower(v_next_at);
+    -- The ready floor down to it (channel_ready_floor): its head may be older than the clock
+    -- (one that riders hold, or an early one).
+    IF v_next_at < (SELECT f.last_value FROM ready_floor_seq f) THEN
+        PERFORM setval('ready_floor_seq', v_next_at);
+    END IF;
 END;
 $$;

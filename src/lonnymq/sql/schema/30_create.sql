@@ -402,8 +402,9 @@ BEGIN
         FROM unnest(v_late) AS u(name)
         WHERE NOT EXISTS (SELECT FROM channel c WHERE c.name = u.name);
         WITH created AS (
+            -- (The mark a second below its first message: 20_channel.sql.)
             INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
-            SELECT u.name, u.at, u.at, u.first_id
+            SELECT u.name, u.at, u.at - 1000, 0
             FROM unnest(v_late, v_late_ats, v_first_ids) AS u(name, at, first_id)
             WHERE NOT EXISTS (SELECT FROM channel x WHERE x.name = u.name)
             ORDER BY u.name

@@ -141,16 +141,23 @@ BEGIN
                 FALSE);
             RETURN NULL;
         END IF;
-        PERFORM channel_head_advance(ARRAY[v_channel]);
+        IF current_setting('lonnymq.head_advance', TRUE) = 'on' THEN
+            PERFORM channel_head_advance(ARRAY[v_channel]);
+        END IF;
         -- To the back, when its next head is due (channel_rotate's first case); otherwise
-        -- channel_rotate pushes it forward or deletes its row.
+        -- channel_rotate pushes it forward or deletes its row. (The next head is read as
+        -- channel_first_from reads it, written out: a call of that function would be planned
+        -- anew by every take.)
         UPDATE channel c SET
             next_dequeue_at = n.next_at,
             turn = nextval('channel_turn_seq'),
             last_dequeue_at = v_now
         FROM (
-            SELECT greatest(f.dequeue_at, v_now) AS next_at
-            FROM channel_first_from(v_channel.name, v_channel.head_at, v_channel.head_id) f) n
+            SELECT greatest(t.dequeue_at, v_now) AS next_at FROM message t
+            WHERE t.channel = v_channel.name AND NOT t.is_locked
+              AND (t.dequeue_at, t.id) >= (v_channel.head_at, v_channel.head_id)
+            ORDER BY t.dequeue_at, t.id
+            LIMIT 1) n
         WHERE c.name = v_channel.name AND n.next_at <= v_now;
         IF NOT FOUND THEN
             PERFORM channel_rotate(v_channel.name, v_channel.head_at, v_channel.head_id, v_now,
@@ -372,12 +379,18 @@ BEGIN
                     -- statement (new turns in the order they were served), the rest one by
                     -- one (channel_rotate may push them ahead or delete their rows).
                     -- (Every row held: one this batch took nothing from moves only if it can.)
-                    PERFORM channel_head_advance(v_due);
+                    IF current_setting('lonnymq.head_advance', TRUE) = 'on' THEN
+                        PERFORM channel_head_advance(v_due);
+                    END IF;
+                    -- (Each next head read as channel_first_from reads it, written out: a
+                    -- call per channel would be planned anew for each.)
                     WITH next_heads AS (
                         SELECT f.name, f.ord, f.head_at, f.head_id,
-                               (SELECT greatest(h.dequeue_at, v_now)
-                                FROM channel_first_from(f.name, f.head_at, f.head_id) h)
-                                   AS next_at
+                               (SELECT greatest(s.dequeue_at, v_now) FROM message s
+                                WHERE s.channel = f.name AND NOT s.is_locked
+                                  AND (s.dequeue_at, s.id) >= (f.head_at, f.head_id)
+                                ORDER BY s.dequeue_at, s.id
+                                LIMIT 1) AS next_at
                         FROM unnest(v_free, v_free_at, v_free_id)
                             WITH ORDINALITY AS f(name, head_at, head_id, ord)
                     ), turns AS (
@@ -649,7 +662,7 @@ BEGIN
                     FOR UPDATE SKIP LOCKED)
                 RETURNING m.* INTO v_message;
                 v_found := FOUND;
-                IF v_found THEN
+                IF v_found AND current_setting('lonnymq.head_advance', TRUE) = 'on' THEN
                     PERFORM channel_head_advance(ARRAY[v_channel]);
                 END IF;
 
