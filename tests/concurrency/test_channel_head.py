@@ -78,7 +78,7 @@ def test_a_take_moves_the_mark_to_the_first_waiting_message(queue: Queue, admin:
     assert first[1] == ids[0]
     # Made for the channel's first message: a second below it, so that creators whose
     # transactions began up to a second earlier need not bring it down.
-    assert before == (first[0] - 1_000, 0)
+    assert before == (first[0] - 1_000, first[1])
     # A dequeue of one's own (perhaps in a long transaction) leaves the mark alone.
     assert [m.id for m in queue.dequeue_many(5, lock_ms=LOCK_MS)] == ids[:5]
     assert mark(admin, queue, "c") == before
@@ -152,7 +152,7 @@ def test_a_message_given_back_or_expedited_before_the_mark_is_found(
     later = queue.create(b"later", channel="d", dequeue_at=queue.now() + HOUR_MS).id
     first = first_waiting(admin, queue, "d")
     assert first is not None
-    assert mark(admin, queue, "d") == (first[0] - 1_000, 0)
+    assert mark(admin, queue, "d") == (first[0] - 1_000, first[1])
     queue._fetch("message_expedite", {"id": later, "channel": None}, None)
     assert queue.verify() == []
 

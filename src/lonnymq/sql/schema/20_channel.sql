@@ -28,10 +28,10 @@
 --   time) reads the row after taking the channel's shared advisory lock (or its row) and,
 --   when the message sorts before (head_at, head_id), brings them down to it in the same
 --   transaction (a policy-free channel's row is otherwise left alone). A row made for a
---   message gets a mark a second below it, (dequeue_at - 1000, 0): a creator whose
+--   message gets a mark a second below it, (dequeue_at - 1000, id): a creator whose
 --   transaction began up to a second earlier (its messages stamped with that start) then has
 --   nothing to bring down, where bringing it down would lock the row, and wait for every
---   take holding it.
+--   take holding it. (The id stays the message's: channel_head_advance counts from it.)
 -- - Only a take that holds the row and the channel's exclusive advisory lock moves them up
 --   (channel_head_advance, in a worker's message_settle): with that lock no such writer is in
 --   flight (each holds the shared lock or waits for the row), so a statement run after it
@@ -299,7 +299,7 @@ BEGIN
         -- below it (the rules at the top of this file).
         PERFORM pg_advisory_xact_lock(channel_key(p_channel) # 1);
         INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
-        SELECT p_channel, p_at, p_at - 1000, 0
+        SELECT p_channel, p_at, p_at - 1000, p_id
         WHERE NOT EXISTS (SELECT FROM channel x WHERE x.name = p_channel)
         ON CONFLICT (name) DO NOTHING;
         IF FOUND THEN
@@ -332,7 +332,7 @@ BEGIN
     ELSE
         -- Still invisible to this transaction (a snapshot older than the row): an upsert.
         INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
-        VALUES (p_channel, p_at, p_at - 1000, 0)
+        VALUES (p_channel, p_at, p_at - 1000, p_id)
         ON CONFLICT (name) DO UPDATE SET
             next_dequeue_at = least(c.next_dequeue_at, p_at),
             (head_at, head_id) = (

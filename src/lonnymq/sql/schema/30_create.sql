@@ -404,7 +404,7 @@ BEGIN
         WITH created AS (
             -- (The mark a second below its first message: 20_channel.sql.)
             INSERT INTO channel AS c (name, next_dequeue_at, head_at, head_id)
-            SELECT u.name, u.at, u.at - 1000, 0
+            SELECT u.name, u.at, u.at - 1000, u.first_id
             FROM unnest(v_late, v_late_ats, v_first_ids) AS u(name, at, first_id)
             WHERE NOT EXISTS (SELECT FROM channel x WHERE x.name = u.name)
             ORDER BY u.name
