@@ -452,13 +452,25 @@ BEGIN
         INTO v_written
         FROM moved m;
 
-        -- Announce, soonest first (one NOTIFY then covers the batch).
+        -- Announce: the soonest channel brings the ready floor down for all of them, and the
+        -- soonest that got sooner than it was publishes the batch's one event (one a
+        -- transaction: event_publish); no other announcement would do anything, so at most
+        -- these two are made, soonest first.
         FOR v_wake IN
-            SELECT u.name, u.at, u.first_id, u.seen_next
-            FROM unnest(v_late, v_late_ats, v_first_ids, v_seen)
-                AS u(name, at, first_id, seen_next)
-            WHERE u.name = ANY (v_written)
-            ORDER BY u.at
+            SELECT w.name, w.at, w.first_id, w.seen_next
+            FROM (
+                SELECT u.name, u.at, u.first_id, u.seen_next,
+                       row_number() OVER (ORDER BY u.at) AS soonest,
+                       row_number() OVER (
+                           PARTITION BY u.seen_next IS NULL OR u.at < u.seen_next
+                           ORDER BY u.at) AS soonest_of_its_kind
+                FROM unnest(v_late, v_late_ats, v_first_ids, v_seen)
+                    AS u(name, at, first_id, seen_next)
+                WHERE u.name = ANY (v_written)
+            ) w
+            WHERE w.soonest = 1
+               OR (w.soonest_of_its_kind = 1 AND (w.seen_next IS NULL OR w.at < w.seen_next))
+            ORDER BY w.at
         LOOP
             PERFORM channel_announce(v_wake.seen_next, v_wake.at, 'created', v_wake.first_id,
                 v_wake.name);
