@@ -59,7 +59,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -264,7 +264,7 @@ class LongTxnBench:
         self.aux = f"{self.schema}_aux"  # the reader's table; pg_stat_statements if we create it
         self.spark_schema = f"{self.schema}_spark"  # the queue a spark holder reads
         self._spark: Any = None  # its SparkSession, started before the load
-        self._spark_session: Any = None
+        self._resources = ExitStack()  # what teardown() closes (the Spark session)
         self.log = log
         self.started = time.monotonic()
         self.windows: list[dict[str, Any]] = []
@@ -349,13 +349,11 @@ class LongTxnBench:
             conn.execute(
                 sql.SQL("VACUUM (ANALYZE) {}").format(sql.Identifier(self.spark_schema, "message"))
             )
-        self._spark_session = session()
-        self._spark = self._spark_session.__enter__()
+        self._spark = self._resources.enter_context(session())
 
     def teardown(self) -> None:
-        if self._spark_session is not None:
-            self._spark_session.__exit__(None, None, None)
-            self._spark_session = self._spark = None
+        self._resources.close()
+        self._spark = None
         with self._admin() as conn:
             for schema in (self.schema, self.aux, self.spark_schema):
                 conn.execute(
