@@ -334,6 +334,23 @@ async def conflict_pause_async(attempt: int) -> None:
     await asyncio.sleep(conflict_backoff_s(attempt))
 
 
+# The tables Queue.maintain() vacuums and compacts, in the order it reports them.
+MAINTAINED_TABLES = ("channel", "message")
+
+# The advisory lock that lonnymq.spark.snapshot() holds shared and maintenance_compact() takes
+# exclusive (the same expression in the schema's source): no compaction while a snapshot that
+# Spark reads the queue in is open.
+SNAPSHOT_LOCK_KEY = "pg_catalog.hashtextextended('lonnymq.snapshot', 0)"
+
+
+def check_max_live(value: object) -> int:
+    """``compact``'s ``max_live``: 1 to 1,000,000 rows."""
+    if not _is_int(value) or not 1 <= value <= 1_000_000:  # type: ignore[operator]
+        raise InvalidArgumentError(f"max_live must be an int between 1 and 1000000, got {value!r}")
+    assert isinstance(value, int)
+    return value
+
+
 def check_pool_timeout(value: object) -> float:
     """Seconds a call may wait for a pooled connection: a finite number above 0."""
     if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:

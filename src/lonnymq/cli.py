@@ -226,7 +226,9 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", action="store_true", help="print JSON lines")
 
     maintain = command(
-        "maintain", help="vacuum the queue's high-churn tables if they need it (as their owner)"
+        "maintain",
+        help="vacuum the queue's high-churn tables if they need it, and compact those a long "
+        "transaction keeps dead rows in (as their owner)",
     )
     maintain.add_argument("--json", action="store_true", help="print a JSON object")
 
@@ -676,11 +678,15 @@ def _verify(q: Queue, args: argparse.Namespace) -> int:
 
 
 def _maintain(q: Queue, args: argparse.Namespace) -> int:
-    vacuumed = q.maintain()
+    vacuumed = q.maintain(compact=False)
+    compacted = q.compact()
     if args.json:
-        print(json.dumps({"vacuumed": vacuumed}))
-    elif vacuumed:
-        print("vacuumed: " + ", ".join(vacuumed))
+        print(json.dumps({"vacuumed": vacuumed, "compacted": compacted}))
+    elif vacuumed or compacted:
+        if vacuumed:
+            print("vacuumed: " + ", ".join(vacuumed))
+        if compacted:
+            print("compacted: " + ", ".join(compacted))
     else:
         print("nothing to do (or not the tables' owner)")
     return 0

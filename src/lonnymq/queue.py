@@ -962,35 +962,22 @@ class Queue:
 
     def verify(self, *, conn: Connection[Any] | None = None) -> list[Discrepancy]:
         """Check every channel's row against its messages; one :class:`Discrepancy` per
-        problem found, by channel (an empty list: consistent). Read-only. On a pooled
-        connection it runs in a REPEATABLE READ, READ ONLY transaction; on ``conn`` it reads
-        that connection's snapshot. It scans the message table: an operator's check."""
-        _check_conn(conn)
-        if conn is not None:
-            rows = self._fetch("queue_verify", {}, conn)
-            return [_core.discrepancy(row) for row in rows]
-        pool = self._get_pool()
-        with pool.connection() as pooled:
-            pooled.set_isolation_level(psycopg.IsolationLevel.REPEATABLE_READ)
-            pooled.set_read_only(True)
-            try:
-                with pooled.transaction():
-                    rows = self._fetch("queue_verify", {}, pooled)
-            except psycopg.Error as err:
-                raise translate(err, schema=self._schema) from err
-            finally:
-                pooled.set_isolation_level(None)
-                pooled.set_read_only(None)
+        problem found, by channel (an empty list: consistent). Read-only: one statement, so
+        one snapshot of both tables, taken once it holds their locks. It scans the message
+        table: an operator's check."""
+        rows = self._fetch("queue_verify", {}, conn)
         return [_core.discrepancy(row) for row in rows]
 
-    def maintain(self) -> list[str]:
+    def maintain(self, *, compact: bool = True) -> list[str]:
         """VACUUM the queue's high-churn tables (``channel``, ``message``) that hold enough
-        dead row versions to slow dequeues down; returns the names of those vacuumed. Only
-        the dead row versions made since its last VACUUM of a table count: those that an older
-        snapshot (a long transaction) kept from that VACUUM are not vacuumed for again. Workers
-        call it every ``maintenance_ms``. It needs the tables' owner (or a superuser): for a
-        role granted a kind it does nothing and returns ``[]`` (after one refusal this queue
-        stops asking). No ``conn``: VACUUM cannot run inside a transaction."""
+        dead row versions to slow dequeues down, then (``compact``) :meth:`compact` those
+        whose dead rows no VACUUM could remove; returns the names of the tables it vacuumed
+        or compacted. Only the dead row versions made since its last VACUUM of a table count:
+        those that an older snapshot (a long transaction) kept from that VACUUM are not
+        vacuumed for again. Workers call it every ``maintenance_ms``. It needs the tables'
+        owner (or a superuser): for a role granted a kind it does nothing and returns ``[]``
+        (after one refusal this queue stops asking). No ``conn``: VACUUM cannot run inside a
+        transaction."""
         if self._maintain_refused:
             return []
         try:
@@ -1005,7 +992,38 @@ class Queue:
             )
             self._run(statement, {}, None, label="vacuum")
             self._fetch("maintenance_vacuumed", {"table_name": table}, None)
+        if compact:
+            compacted = self.compact()
+            tables = [t for t in _core.MAINTAINED_TABLES if t in tables or t in compacted]
         return tables
+
+    def compact(self, *, max_live: int = 10_000) -> list[str]:
+        """Rewrite ``channel`` and ``message`` with their live rows only where their dead row
+        versions are many (at least 5,000 and 10,000, and four times the live rows) and no
+        VACUUM can remove them, as while a long transaction anywhere in the database holds an
+        old snapshot; returns the names of the tables it rewrote. Ids, locks, attempts and
+        every other column stay as they were. A table with more than ``max_live`` live rows (or
+        64 MiB of them) is left alone, and so is every table while a
+        :func:`lonnymq.spark.snapshot` block is open, a ``pg_dump`` is connected, or a
+        transaction has the table open (it tries for about 50 ms, never queueing for the
+        lock). A transaction whose snapshot predates a rewrite sees the table empty if it reads
+        it only afterwards: see the operations guide. Needs the tables' owner: for a role
+        granted a kind it does nothing and returns ``[]``, as :meth:`maintain` does."""
+        max_live = _core.check_max_live(max_live)
+        done: list[str] = []
+        for table in _core.MAINTAINED_TABLES:
+            if self._maintain_refused:
+                break
+            try:
+                rows = self._fetch(
+                    "maintenance_compact", {"table_name": table, "max_live": max_live}, None
+                )
+            except PermissionDeniedError:
+                self._maintain_refused = True
+                break
+            if rows[0][0] == "compacted":
+                done.append(table)
+        return done
 
     def set_clock_offset(self, offset_ms: int, *, conn: Connection[Any] | None = None) -> int:
         """Move the queue clock by ``offset_ms`` for everyone (tests only); returns the new now."""

@@ -63,6 +63,7 @@ def snapshot(dsn: str | None = None) -> Iterator[str]:
 
     Every partition of a ``spark.read`` given this id sees the database exactly as it was when
     the block started. Run the Spark action inside the block: the snapshot ends with it.
+    While the block is open no queue of the database is compacted (``Queue.compact``).
     ``dsn`` defaults to ``$LONNYMQ_DSN``.
     """
     import psycopg
@@ -71,6 +72,12 @@ def snapshot(dsn: str | None = None) -> Iterator[str]:
     if not dsn:
         raise InvalidArgumentError(f"snapshot() needs a dsn (or {DSN_ENV})")
     with psycopg.connect(_core.with_client_timeouts(dsn)) as conn:
+        # Before the snapshot is taken, in a transaction of its own (a statement of the
+        # snapshot's transaction would take the snapshot before the lock): a compaction in
+        # progress finishes first, and none starts until the connection closes.
+        conn.autocommit = True
+        conn.execute(f"SELECT pg_catalog.pg_advisory_lock_shared({_core.SNAPSHOT_LOCK_KEY})")
+        conn.autocommit = False
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True
         with conn.transaction():

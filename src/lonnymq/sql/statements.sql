@@ -155,6 +155,9 @@ SELECT table_name FROM {schema}.maintenance_due()
 -- name: maintenance_vacuumed
 SELECT {schema}.maintenance_vacuumed(p_table_name => %(table_name)s::text)
 
+-- name: maintenance_compact
+SELECT {schema}.maintenance_compact(p_table_name => %(table_name)s::text, p_max_live => %(max_live)s::integer)
+
 -- name: dashboard_overview
 SELECT now_ms, waiting, due, scheduled, locked, lag_ms, finished_total, failed_recent, archive
 FROM {schema}.dashboard_overview(p_window_ms => %(window_ms)s::bigint)

@@ -95,7 +95,7 @@ $$;
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_first_from(p_channel TEXT, p_head_at BIGINT, p_head_id BIGINT)
 RETURNS TABLE (dequeue_at BIGINT, id BIGINT)
-LANGUAGE sql STABLE
+LANGUAGE sql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$
@@ -112,7 +112,7 @@ $$;
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_first(p_channel TEXT)
 RETURNS TABLE (dequeue_at BIGINT, id BIGINT)
-LANGUAGE sql STABLE
+LANGUAGE sql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$
@@ -127,7 +127,7 @@ $$;
 -- release interval allows; NULL when nothing waits.
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION channel_next_at(p_channel TEXT, p_release_at BIGINT) RETURNS BIGINT
-LANGUAGE sql STABLE
+LANGUAGE sql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$

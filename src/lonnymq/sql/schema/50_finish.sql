@@ -464,7 +464,7 @@ $$;
 -- Locks: none. Raises: LQ003 (NULL id).
 CREATE OR REPLACE FUNCTION message_status(p_id BIGINT)
 RETURNS TABLE (status TEXT, outcome TEXT, error TEXT, num_attempts INTEGER, finished_at BIGINT)
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_seqscan = off SET jit = off
 AS $$

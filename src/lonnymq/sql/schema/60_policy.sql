@@ -182,7 +182,7 @@ RETURNS TABLE (
     channel TEXT, size BIGINT, in_flight BIGINT, next_dequeue_at BIGINT,
     max_concurrency INTEGER, release_interval_ms BIGINT, max_size BIGINT
 )
-LANGUAGE sql STABLE
+LANGUAGE sql
 SET search_path FROM CURRENT
 AS $$
     SELECT coalesce(c.name, s.channel),

@@ -143,7 +143,7 @@ $$;
 -- Locks: none. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION schedule_list()
 RETURNS TABLE (name TEXT, spec BYTEA, next_at BIGINT, state BYTEA, is_locked BOOLEAN)
-LANGUAGE sql STABLE
+LANGUAGE sql
 SET search_path FROM CURRENT
 AS $$
     SELECT m.dedup_key, m.content, m.dequeue_at, m.state, m.is_locked

@@ -533,7 +533,7 @@ $$;
 -- the archive ('archive'), for planning a parallel read. NULLs when it is empty.
 -- Locks: none. Raises: LQ003 (another table).
 CREATE OR REPLACE FUNCTION spark_scan_bounds(p_table TEXT) RETURNS TABLE (min_id BIGINT, max_id BIGINT)
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 BEGIN
@@ -555,7 +555,7 @@ RETURNS TABLE (
     id BIGINT, channel TEXT, content BYTEA, state BYTEA, dedup_key TEXT, num_attempts INTEGER,
     dequeue_at BIGINT, is_locked BOOLEAN, unlock_at BIGINT, created_at BIGINT
 )
-LANGUAGE sql STABLE
+LANGUAGE sql
 SET search_path FROM CURRENT
 AS $$
     SELECT m.id, m.channel, m.content, m.state, m.dedup_key, m.num_attempts, m.dequeue_at,
@@ -688,7 +688,7 @@ $$;
 -- Locks: none. Raises: LQ003 (NULL arguments).
 CREATE OR REPLACE FUNCTION spark_batch_waiting(p_max_id BIGINT, p_due_by BIGINT)
 RETURNS TABLE (channels BIGINT, next_at BIGINT, now_at BIGINT)
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off
 AS $$

@@ -35,6 +35,20 @@
 -- (maintenance_vacuumed), and maintenance_due() counts only those made since, capped by the
 -- statistics' dead row count (autovacuum or pruning may have removed some of them since).
 -- What the held-back VACUUM left is removed by the next one, once enough new rows died.
+--
+-- Under such a snapshot the dead row versions of the two tables (two per message, one per
+-- take in the channel rows) grow for as long as it is held: 720,666 in message after a
+-- 10-minute idle transaction at 600 msg/s. No VACUUM can remove them, but a TRUNCATE can: it
+-- needs the table's lock, not a horizon. So maintain() also compacts a table whose dead rows
+-- outnumber its live ones many times (maintenance_compact): under the table's exclusive lock,
+-- taken at a moment no transaction has the table open, it copies the live rows aside, truncates
+-- the table and writes them back, ids, locks, attempts and marks unchanged. The price: a
+-- transaction whose snapshot is older than the compaction and that reads the table for the
+-- first time after it sees the table as empty (TRUNCATE is not MVCC-safe). Hence the guards:
+-- no compaction while a lonnymq.spark.snapshot() is held (its advisory lock), while a pg_dump
+-- is connected, or while any transaction has the table open (it holds a lock on it); and no
+-- function of the schema that reads channel or message is STABLE (a STABLE function reads
+-- with its caller's snapshot, which may predate the lock it then waits for).
 
 
 -- queue_verify(): one row per discrepancy between the channel rows and the message rows:
@@ -61,7 +75,7 @@
 -- Locks: none beyond reading. Raises: nothing of ours.
 CREATE OR REPLACE FUNCTION queue_verify()
 RETURNS TABLE (channel TEXT, kind TEXT, expected BIGINT, actual BIGINT, detail TEXT)
-LANGUAGE sql STABLE
+LANGUAGE sql
 SET search_path FROM CURRENT
 AS $$
     WITH clock AS (
@@ -240,5 +254,113 @@ BEGIN
     WHERE s.schemaname = pg_catalog.current_schema() AND s.relname = p_table_name
     ON CONFLICT (table_name) DO UPDATE
         SET dead_made = excluded.dead_made, vacuums = excluded.vacuums;
+END;
+$$;
+
+
+-- maintenance_compact(): rewrite p_table_name ('channel' or 'message') with its live rows only,
+-- when its dead row versions are at least 5,000 (channel) or 10,000 (message) and four times
+-- its live rows, as the statistics count them (what VACUUM cannot remove while an older
+-- snapshot lives: see the top of this file), those made before its last compaction left out
+-- (recorded in maintenance_vacuum, as maintenance_vacuumed() records a VACUUM). Returns what it did: 'compacted'; 'not_needed';
+-- 'too_large' (more than p_max_live live rows, or more than 64 MiB of them: the copy is held
+-- in memory and everything waits for it); 'snapshot_held' (a lonnymq.spark.snapshot() block
+-- is open, or another schema's compaction runs); 'dump_running' (a pg_dump is connected to
+-- the database); 'busy' (in 50 tries about a millisecond apart, the table was never free of
+-- open transactions). It never waits in the table's lock queue: its tries are NOWAIT, so
+-- no operation of the queue waits behind it, only during the copy (milliseconds for 10,000
+-- rows). The rows written back keep every column (ids, locks, attempts, the channel marks)
+-- and fire the table's INSERT triggers (none of the schema's own).
+-- Locks: the table (ACCESS EXCLUSIVE, to its transaction's end), the advisory lock that
+-- snapshot() shares (exclusive), the table's maintenance_vacuum row. Raises: LQ003 (another table name, p_max_live out of
+-- 1..1,000,000).
+CREATE OR REPLACE FUNCTION maintenance_compact(p_table_name TEXT, p_max_live INTEGER)
+RETURNS TEXT
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    v_dead BIGINT;
+    v_live BIGINT;
+    v_rows BIGINT;
+    v_bytes BIGINT;
+    v_tries INTEGER := 0;
+    v_made BIGINT;
+    v_vacuums BIGINT;
+    v_messages message[];
+    v_channels channel[];
+BEGIN
+    PERFORM arg_check(p_table_name IN ('channel', 'message'),
+        format('table_name must be channel or message, got %s',
+               coalesce(quote_literal(p_table_name), 'NULL')));
+    PERFORM arg_check_range('max_live', p_max_live, 1, 1000000);
+    PERFORM pg_catalog.pg_stat_clear_snapshot();
+    -- Counted as maintenance_due() counts for VACUUM, from the last compaction's totals.
+    SELECT CASE WHEN v.compacted_made IS NULL OR n.made < v.compacted_made THEN n.dead
+                ELSE least(n.dead, n.made - v.compacted_made) END,
+           n.live, n.made, n.vacuums
+    INTO v_dead, v_live, v_made, v_vacuums
+    FROM pg_catalog.pg_stat_all_tables s
+    LEFT JOIN maintenance_vacuum v ON v.table_name = p_table_name
+    CROSS JOIN LATERAL (
+        SELECT coalesce(s.n_dead_tup, 0) AS dead, coalesce(s.n_live_tup, 0) AS live,
+               coalesce(s.n_tup_upd, 0) + coalesce(s.n_tup_del, 0) AS made,
+               coalesce(s.vacuum_count, 0) + coalesce(s.autovacuum_count, 0) AS vacuums
+    ) n
+    WHERE s.schemaname = pg_catalog.current_schema() AND s.relname = p_table_name;
+    IF coalesce(v_dead, 0) < greatest(
+        CASE p_table_name WHEN 'channel' THEN 5000 ELSE 10000 END, 4 * v_live)
+    THEN
+        RETURN 'not_needed';
+    END IF;
+    IF v_live > p_max_live THEN
+        RETURN 'too_large';
+    END IF;
+    IF EXISTS (SELECT FROM pg_catalog.pg_stat_activity a
+               WHERE a.datname = pg_catalog.current_database()
+                 AND a.application_name IN ('pg_dump', 'pg_dumpall'))
+    THEN
+        RETURN 'dump_running';
+    END IF;
+    -- The key lonnymq.spark.snapshot() holds shared while its snapshot lives.
+    IF NOT pg_catalog.pg_try_advisory_xact_lock(
+        pg_catalog.hashtextextended('lonnymq.snapshot', 0))
+    THEN
+        RETURN 'snapshot_held';
+    END IF;
+    LOOP
+        BEGIN
+            EXECUTE format('LOCK TABLE %I IN ACCESS EXCLUSIVE MODE NOWAIT', p_table_name);
+            EXIT;
+        EXCEPTION WHEN lock_not_available THEN
+            v_tries := v_tries + 1;
+            IF v_tries >= 50 THEN
+                RETURN 'busy';
+            END IF;
+            PERFORM pg_catalog.pg_sleep(0.001);
+        END;
+    END LOOP;
+    -- Under the lock: exactly what is live now (a statement of its own: its snapshot is taken
+    -- after the lock, so it sees every transaction that had the table open as committed).
+    EXECUTE format('SELECT count(*), coalesce(sum(pg_catalog.pg_column_size(t.*)), 0) FROM %I t',
+        p_table_name) INTO v_rows, v_bytes;
+    IF v_rows > p_max_live OR v_bytes > 64 * 1024 * 1024 THEN
+        RETURN 'too_large';
+    END IF;
+    IF p_table_name = 'message' THEN
+        v_messages := ARRAY(SELECT m FROM message m);
+        TRUNCATE message;
+        INSERT INTO message SELECT * FROM unnest(v_messages);
+    ELSE
+        v_channels := ARRAY(SELECT c FROM channel c);
+        TRUNCATE channel;
+        INSERT INTO channel SELECT * FROM unnest(v_channels);
+    END IF;
+    -- Every dead row version counted so far is gone (a new table row for a first compaction
+    -- also says that nothing made so far is left for VACUUM).
+    INSERT INTO maintenance_vacuum (table_name, dead_made, vacuums, compacted_made)
+    VALUES (p_table_name, v_made, v_vacuums, v_made)
+    ON CONFLICT (table_name) DO UPDATE SET compacted_made = excluded.compacted_made;
+    RETURN 'compacted';
 END;
 $$;

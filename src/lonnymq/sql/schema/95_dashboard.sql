@@ -19,7 +19,7 @@ RETURNS TABLE (
     now_ms BIGINT, waiting BIGINT, due BIGINT, scheduled BIGINT, locked BIGINT,
     lag_ms BIGINT, finished_total BIGINT, failed_recent BIGINT, archive BOOLEAN
 )
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
 AS $$
@@ -75,7 +75,7 @@ CREATE OR REPLACE FUNCTION dashboard_channels(
     channel TEXT, size BIGINT, size_exact BOOLEAN, in_flight BIGINT, next_dequeue_at BIGINT,
     has_policy BOOLEAN, max_concurrency INTEGER, release_interval_ms BIGINT, max_size BIGINT
 )
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
 AS $$
@@ -159,7 +159,7 @@ CREATE OR REPLACE FUNCTION dashboard_channel_messages(
     content_preview BYTEA, content_length INTEGER, state_preview BYTEA, state_length INTEGER,
     dedup_key TEXT
 )
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
 AS $$
@@ -294,7 +294,7 @@ CREATE OR REPLACE FUNCTION dashboard_schedules(
 ) RETURNS TABLE (
     name TEXT, spec BYTEA, spec_length INTEGER, next_at BIGINT, state BYTEA, is_locked BOOLEAN
 )
-LANGUAGE plpgsql STABLE
+LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_seqscan = off SET enable_bitmapscan = off SET jit = off
 AS $$
