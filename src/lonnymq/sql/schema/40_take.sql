@@ -86,13 +86,22 @@ AS $$
 DECLARE
     -- The clock as this call starts (see message_dequeue_loop).
     v_now BIGINT := epoch() + floor(extract(epoch FROM clock_timestamp() - now()) * 1000)::BIGINT;
-    v_gate BIGINT := (SELECT g.last_value FROM lock_gate_seq g);
+    v_gate BIGINT;
+    v_sweep BIGINT;
     -- Where the next due channel is looked for (channel_ready_floor).
-    v_floor BIGINT := channel_ready_floor(v_now);
+    v_floor BIGINT;
     v_message message;
     v_channel channel;
     v_busy TEXT;
 BEGIN
+    -- The lock gate and the ready floor in one statement; channel_ready_floor only when a look
+    -- from the low end is due (it reads the same two sequences first: a call of it by every
+    -- take, with its settings, cost more than the reads).
+    SELECT g.last_value, s.last_value, f.last_value INTO v_gate, v_sweep, v_floor
+    FROM lock_gate_seq g, ready_sweep_seq s, ready_floor_seq f;
+    IF NOT (v_now >= v_sweep AND v_now - 1000 < v_sweep) THEN
+        v_floor := channel_ready_floor(v_now);
+    END IF;
     -- 1. A message whose lock expired (its channel slot was never released), once the lock
     -- gate says one may have.
     IF v_now >= v_gate THEN
