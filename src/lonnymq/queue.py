@@ -999,7 +999,7 @@ class Queue:
 
     def compact(self, *, max_live: int = 10_000) -> list[str]:
         """Rewrite ``channel`` and ``message`` with their live rows only where their dead row
-        versions are many (at least 5,000 and 10,000, and four times the live rows) and no
+        versions are many (at least 1,000 and 10,000, and four times the live rows) and no
         VACUUM can remove them, as while a long transaction anywhere in the database holds an
         old snapshot; returns the names of the tables it rewrote. Ids, locks, attempts and
         every other column stay as they were. A table with more than ``max_live`` live rows (or

@@ -259,21 +259,24 @@ $$;
 
 
 -- maintenance_compact(): rewrite p_table_name ('channel' or 'message') with its live rows only,
--- when its dead row versions are at least 5,000 (channel) or 10,000 (message) and four times
+-- when its dead row versions are at least 1,000 (channel) or 10,000 (message) and four times
 -- its live rows, as the statistics count them (what VACUUM cannot remove while an older
 -- snapshot lives: see the top of this file), those made before its last compaction left out
--- (recorded in maintenance_vacuum, as maintenance_vacuumed() records a VACUUM). Returns what it did: 'compacted'; 'not_needed';
--- 'too_large' (more than p_max_live live rows, or more than 64 MiB of them: the copy is held
--- in memory and everything waits for it); 'snapshot_held' (a lonnymq.spark.snapshot() block
--- is open, or another schema's compaction runs); 'dump_running' (a pg_dump is connected to
--- the database); 'busy' (in 50 tries about a millisecond apart, the table was never free of
--- open transactions). It never waits in the table's lock queue: its tries are NOWAIT, so
--- no operation of the queue waits behind it, only during the copy (milliseconds for 10,000
--- rows). The rows written back keep every column (ids, locks, attempts, the channel marks)
--- and fire the table's INSERT triggers (none of the schema's own).
+-- (recorded in maintenance_vacuum, as maintenance_vacuumed() records a VACUUM). A channel's
+-- row is rewritten by every take that serves it, and each statement that finds it by name
+-- walks its versions: hence the lower mark for a table of a few rows. Returns what it did:
+-- 'compacted'; 'not_needed'; 'too_large' (more than p_max_live live rows, or more than 64 MiB
+-- of them: the copy is held in memory and everything waits for it); 'snapshot_held' (a
+-- lonnymq.spark.snapshot() block is open, or another schema's compaction runs);
+-- 'dump_running' (a pg_dump is connected to the database); 'busy' (in 50 tries about a
+-- millisecond apart, the table was never free of open transactions). It never waits in the
+-- table's lock queue: its tries are NOWAIT, so no operation of the queue waits behind it,
+-- only during the copy (milliseconds for 10,000 rows). The rows written back keep every
+-- column (ids, locks, attempts, the channel marks) and fire the table's INSERT triggers (none
+-- of the schema's own).
 -- Locks: the table (ACCESS EXCLUSIVE, to its transaction's end), the advisory lock that
--- snapshot() shares (exclusive), the table's maintenance_vacuum row. Raises: LQ003 (another table name, p_max_live out of
--- 1..1,000,000).
+-- snapshot() shares (exclusive), the table's maintenance_vacuum row. Raises: LQ003 (another
+-- table name, p_max_live out of 1..1,000,000).
 CREATE OR REPLACE FUNCTION maintenance_compact(p_table_name TEXT, p_max_live INTEGER)
 RETURNS TEXT
 LANGUAGE plpgsql
@@ -309,7 +312,7 @@ BEGIN
     ) n
     WHERE s.schemaname = pg_catalog.current_schema() AND s.relname = p_table_name;
     IF coalesce(v_dead, 0) < greatest(
-        CASE p_table_name WHEN 'channel' THEN 5000 ELSE 10000 END, 4 * v_live)
+        CASE p_table_name WHEN 'channel' THEN 1000 ELSE 10000 END, 4 * v_live)
     THEN
         RETURN 'not_needed';
     END IF;
