@@ -132,10 +132,9 @@ def test_no_compaction_while_a_transaction_has_the_table_open(
         reader.execute(
             sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(queue.schema, "message"))
         )
-        started = time.monotonic()
+        # It gives up after its tries: had it queued for the lock behind the reader, which
+        # commits only below, it would never return.
         assert "message" not in queue.compact()
-        # It gave up after its tries, without waiting in the lock queue for the reader.
-        assert time.monotonic() - started < 5
         assert _pages(admin, queue.schema, "message") == pages
         reader.execute("COMMIT")
     assert "message" in queue.compact()

@@ -13,7 +13,8 @@ comes back past ``max_attempts`` (its workers crashed) is failed without running
 fires the queue's periodic schedules, sleeps exactly until the next message is due, wakes at
 once on a NOTIFY when the queue publishes events, and rides out a lost database connection
 (reconnecting with backoff). Every ``maintenance_ms`` it runs ``queue.maintain()``, which
-vacuums the queue's high-churn tables when they need it (autovacuum is too slow for them).
+vacuums the queue's high-churn tables when they need it (autovacuum is too slow for them)
+and compacts them while a long transaction keeps VACUUM from removing their dead rows.
 On SIGTERM/SIGINT it stops dequeuing, lets running handlers finish within ``grace_s`` and
 gives back the rest, so no lock is left to expire.
 """

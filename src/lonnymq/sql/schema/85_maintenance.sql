@@ -290,6 +290,7 @@ DECLARE
     v_tries INTEGER := 0;
     v_made BIGINT;
     v_vacuums BIGINT;
+    v_seen BIGINT;
     v_messages message[];
     v_channels channel[];
 BEGIN
@@ -301,8 +302,8 @@ BEGIN
     -- Counted as maintenance_due() counts for VACUUM, from the last compaction's totals.
     SELECT CASE WHEN v.compacted_made IS NULL OR n.made < v.compacted_made THEN n.dead
                 ELSE least(n.dead, n.made - v.compacted_made) END,
-           n.live, n.made, n.vacuums
-    INTO v_dead, v_live, v_made, v_vacuums
+           n.live, n.made, n.vacuums, v.compacted_made
+    INTO v_dead, v_live, v_made, v_vacuums, v_seen
     FROM pg_catalog.pg_stat_all_tables s
     LEFT JOIN maintenance_vacuum v ON v.table_name = p_table_name
     CROSS JOIN LATERAL (
@@ -343,8 +344,14 @@ BEGIN
             PERFORM pg_catalog.pg_sleep(0.001);
         END;
     END LOOP;
-    -- Under the lock: exactly what is live now (a statement of its own: its snapshot is taken
-    -- after the lock, so it sees every transaction that had the table open as committed).
+    -- Under the lock, statements of their own (their snapshots are taken after it, so they see
+    -- every transaction that had the table open as committed): another worker's compaction
+    -- that ran meanwhile (it read the same statistics), then exactly what is live now.
+    IF (SELECT v.compacted_made FROM maintenance_vacuum v WHERE v.table_name = p_table_name)
+       IS DISTINCT FROM v_seen
+    THEN
+        RETURN 'not_needed';
+    END IF;
     EXECUTE format('SELECT count(*), coalesce(sum(pg_catalog.pg_column_size(t.*)), 0) FROM %I t',
         p_table_name) INTO v_rows, v_bytes;
     IF v_rows > p_max_live OR v_bytes > 64 * 1024 * 1024 THEN
