@@ -1007,8 +1007,9 @@ class Queue:
         :func:`lonnymq.spark.snapshot` block is open, a ``pg_dump`` is connected, or a
         transaction has the table open (it tries for about 50 ms, never queueing for the
         lock). A transaction whose snapshot predates a rewrite sees the table empty if it reads
-        it only afterwards: see the operations guide. Needs the tables' owner: for a role
-        granted a kind it does nothing and returns ``[]``, as :meth:`maintain` does."""
+        it only afterwards (see "Compacting" in the maintenance guide). Needs the tables'
+        owner: for a role granted a kind it does nothing and returns ``[]``, as
+        :meth:`maintain` does."""
         max_live = _core.check_max_live(max_live)
         done: list[str] = []
         for table in _core.MAINTAINED_TABLES:
