@@ -76,17 +76,18 @@ SET enable_seqscan = off
 SET jit = off
 AS $$
 DECLARE
-    v_message message;
+    -- The message's row and whether the archive is on (one statement: the delete).
+    v_message RECORD;
     v_channel channel;
 BEGIN
     DELETE FROM message m
     WHERE m.id = p_id AND m.unlock_at IS NOT NULL AND m.num_attempts = p_num_attempts
-    RETURNING m.* INTO v_message;
+    RETURNING m.*, (SELECT c.archive FROM config c) AS archive INTO v_message;
     IF NOT FOUND THEN
         RETURN CASE WHEN EXISTS (SELECT FROM message m WHERE m.id = p_id)
                     THEN 'stale' ELSE 'not_found' END;
     END IF;
-    IF (SELECT c.archive FROM config c) THEN
+    IF v_message.archive THEN
         INSERT INTO archive (id, channel, content, state, dedup_key, num_attempts, outcome,
                              error, created_at, dequeue_at, locked_at, finished_at)
         VALUES (v_message.id, v_message.channel, v_message.content, v_message.state,
@@ -137,12 +138,14 @@ $$;
 -- message_delete_many(): the batch form of delete. Each message is checked on its own: the
 -- result row says 'ok', 'stale' or 'not_found' per id, in input order, so one lost lock does
 -- not undo the rest of a batch. An id named twice is finished once (one message at a time).
--- Locks: messages and channel rows in (channel, id) order, each message before its channel;
--- the channels' shared advisory locks. Raises: LQ003 (mismatched arrays, NULL ids or attempts).
+-- Locks: the messages in id order, then the channels' shared advisory locks and the rows of
+-- those with a policy, in name order. (An id named twice: as message_finish_try for each
+-- message, in (channel, id) order.) Raises: LQ003 (mismatched arrays, NULL ids or attempts).
 CREATE OR REPLACE FUNCTION message_delete_many(p_ids BIGINT[], p_num_attempts INTEGER[])
 RETURNS TABLE (id BIGINT, status TEXT)
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET enable_bitmapscan = off
 SET enable_seqscan = off
 SET jit = off
 AS $$
@@ -150,6 +153,8 @@ AS $$
 DECLARE
     v_item RECORD;
     v_status TEXT[];
+    v_ids BIGINT[];
+    v_attempts INTEGER[];
     v_gone BIGINT[];
     v_names TEXT[];
     v_counts BIGINT[];
@@ -186,37 +191,36 @@ BEGIN
         RETURN;
     END IF;
 
-    -- The messages still held by these attempts, locked in (channel, id) order (the lock is
-    -- taken above the sort). A message whose row another session holds is waited for and
-    -- checked again once it is free.
-    v_gone := ARRAY(
-        SELECT m.id
-        FROM message m
-        JOIN unnest(p_ids, p_num_attempts) AS t(id, num_attempts) ON t.id = m.id
-        WHERE m.unlock_at IS NOT NULL AND m.num_attempts = t.num_attempts
-        ORDER BY m.channel, m.id
-        FOR UPDATE OF m);
+    -- The messages still held by these attempts, deleted in one statement: the scan of the
+    -- primary key by an array of ids visits (and locks) them in id order, and each one's
+    -- attempt is found by a binary search in the ids sorted alike. A message whose row another
+    -- session holds is waited for and checked again once it is free.
+    SELECT array_agg(t.id ORDER BY t.id), array_agg(t.num_attempts ORDER BY t.id)
+    INTO v_ids, v_attempts
+    FROM unnest(p_ids, p_num_attempts) AS t(id, num_attempts);
+    v_archive := (SELECT c.archive FROM config c);
+    v_finished_at := CASE WHEN v_archive THEN epoch() END;
+    WITH gone AS (
+        DELETE FROM message m
+        WHERE m.id = ANY (v_ids) AND m.unlock_at IS NOT NULL
+          AND m.num_attempts = v_attempts[width_bucket(m.id, v_ids)]
+        RETURNING m.*
+    ), kept AS (
+        INSERT INTO archive (id, channel, content, state, dedup_key, num_attempts, outcome,
+                             error, created_at, dequeue_at, locked_at, finished_at)
+        SELECT g.id, g.channel, g.content, g.state, g.dedup_key, g.num_attempts,
+               'completed', NULL, g.created_at, g.dequeue_at, g.locked_at,
+               greatest(v_finished_at, g.locked_at)
+        FROM gone g
+        WHERE v_archive
+        ON CONFLICT (id) DO NOTHING
+    )
+    SELECT (SELECT array_agg(g.id) FROM gone g),
+           array_agg(n.channel ORDER BY n.channel), array_agg(n.n ORDER BY n.channel)
+    INTO v_gone, v_names, v_counts
+    FROM (SELECT g.channel, count(*) AS n FROM gone g GROUP BY g.channel) n;
 
-    IF cardinality(v_gone) > 0 THEN
-        v_archive := (SELECT c.archive FROM config c);
-        v_finished_at := CASE WHEN v_archive THEN epoch() END;
-        WITH gone AS (
-            DELETE FROM message m WHERE m.id = ANY (v_gone)
-            RETURNING m.*
-        ), kept AS (
-            INSERT INTO archive (id, channel, content, state, dedup_key, num_attempts, outcome,
-                                 error, created_at, dequeue_at, locked_at, finished_at)
-            SELECT g.id, g.channel, g.content, g.state, g.dedup_key, g.num_attempts,
-                   'completed', NULL, g.created_at, g.dequeue_at, g.locked_at,
-                   greatest(v_finished_at, g.locked_at)
-            FROM gone g
-            WHERE v_archive
-            ON CONFLICT (id) DO NOTHING
-        )
-        SELECT array_agg(n.channel ORDER BY n.channel), array_agg(n.n ORDER BY n.channel)
-        INTO v_names, v_counts
-        FROM (SELECT g.channel, count(*) AS n FROM gone g GROUP BY g.channel) n;
-
+    IF v_gone IS NOT NULL THEN
         PERFORM pg_advisory_xact_lock_shared(channel_key(u.name))
         FROM unnest(v_names) WITH ORDINALITY AS u(name, ord)
         ORDER BY u.ord;

@@ -18,12 +18,13 @@
 -- refused outcome changes nothing. The array arguments other than ids, attempts and outcomes
 -- may be NULL (all NULL). Then, when p_limit > 0, the messages taken (as
 -- message_dequeue_many): rows with status 'locked', or one row 'empty' with retry_at.
--- Locks: the messages held by these attempts in (channel, id) order, then the shared advisory
--- locks of their channels and of the dead letters' channels in name order, then the rows of
--- those with a policy and of those a defer or a dead letter writes (created when missing), in
--- name order: all of them before any outcome is applied (when every outcome is a complete, or
--- every one a defer, message_delete_many or message_defer_many takes them in that order
--- itself); then as message_dequeue_loop.
+-- Locks: the messages held by these attempts in id order, then the shared advisory locks of
+-- their channels and of the dead letters' channels in name order, then the rows of those with
+-- a policy and of those a defer or a dead letter writes (created when missing), in name order:
+-- all of them before any outcome is applied. When every outcome is a complete, or every one a
+-- defer, message_delete_many or message_defer_many takes its own locks (the same order for
+-- completes; for defers, message by message in (channel, id) order, each before its channel's
+-- row); then as message_dequeue_loop.
 -- Raises: LQ003 (bad limit or lock_ms, mismatched arrays, unknown outcome, NULL ids or
 -- attempts, bad times), LQ005 (a dead letter without a valid channel), LQ006.
 CREATE OR REPLACE FUNCTION message_settle(
@@ -99,12 +100,12 @@ BEGIN
     v_status := array_fill(NULL::TEXT, ARRAY[v_count]);
 
     -- Every lock the phases below may wait for, taken first and in one order: the messages
-    -- still held by these attempts in (channel, id) order, then their channels' and the dead
-    -- letters' target channels' shared advisory locks in name order, then, in name order, the
-    -- rows of those with a policy and of those a defer or a dead letter writes. Taken phase by
-    -- phase instead (completes, then defers, then failures one by one), two settles could each
-    -- hold a channel row the other waits for. A batch of completes only, or of defers only, is
-    -- left to its batch function, which takes its locks in that order itself.
+    -- still held by these attempts in id order (as message_delete_many locks them), then their
+    -- channels' and the dead letters' target channels' shared advisory locks in name order,
+    -- then, in name order, the rows of those with a policy and of those a defer or a dead
+    -- letter writes. Taken phase by phase instead (completes, then defers, then failures one
+    -- by one), two settles could each hold a channel row the other waits for. A batch of
+    -- completes only, or of defers only, is left to its batch function, which takes its own.
     IF NOT (p_outcomes <@ ARRAY['completed'] OR p_outcomes <@ ARRAY['deferred']) THEN
         WITH held AS (
             SELECT m.channel, t.outcome, t.target
@@ -112,7 +113,7 @@ BEGIN
             JOIN unnest(p_ids, p_num_attempts, p_outcomes, p_channels)
                 AS t(id, num_attempts, outcome, target) ON t.id = m.id
             WHERE m.unlock_at IS NOT NULL AND m.num_attempts = t.num_attempts
-            ORDER BY m.channel, m.id
+            ORDER BY m.id
             FOR UPDATE OF m
         ), involved AS (
             SELECT h.channel AS name, h.outcome = 'deferred' AS written FROM held h
