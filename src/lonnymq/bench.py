@@ -14,6 +14,11 @@ statement, with no channels, fairness or policies. It is the least any queue tha
 finishes can do, so a lonnymq row's ratio to it says what its own logic costs, apart from
 what durability costs.
 
+Enqueue in batches also runs a *message-table ceiling*: a plain ``INSERT`` of the same rows
+into a copy of lonnymq's ``message`` table (its columns, indexes and storage settings), with no
+function call, channel rows or checks: the most any create over that table can reach, so the
+part of the gap to the raw queue that is the table's own.
+
 Dequeue latency against backlog size and against pathological backlogs (future-dated
 messages ahead, one channel per message, expired locks, saturated channels) is measured from
 Python, one call at a time.
@@ -63,6 +68,8 @@ WHERE relid = '{r}.{table}'::regclass
 RAW_TABLES = {"raw": "raw_queue", "durable": "durable_queue"}
 DURABLE = "durable floor"
 """The durable floor's label in the report."""
+CEILING = "message table"
+"""The message-table ceiling's label in the report (followed by its channel count)."""
 
 
 def bench_schemas() -> tuple[str, str]:
@@ -212,6 +219,14 @@ SCRIPTS = {
         )
         + ") SELECT coalesce(array_agg(id), '{{}}') AS ids, "
         "coalesce(array_agg(attempts), '{{}}') AS nas FROM taken \\gset\n"
+    ),
+    # The message-table ceiling: the rows create_many would write, straight into a copy of
+    # the table (Bench.make_ceiling).
+    ("ceiling", "create", BATCH): (
+        "INSERT INTO {r}.message_copy (channel, content, dequeue_at, created_at) "
+        "SELECT 'c' || (1 + floor(random() * :channels))::int, '\\x00'::bytea, t.now, t.now "
+        "FROM (SELECT " + _DURABLE_NOW + " AS now) t, "
+        f"generate_series(1, {BATCH});\n"
     ),
     ("lonnymq", "create", 1): (
         "\\set c random(1, :channels)\n"
@@ -367,6 +382,36 @@ class Bench:
         with Queue(self.dsn, schema=self.schema) as queue:
             queue.install()
 
+    def make_ceiling(self) -> None:
+        """The message-table ceiling's table: an empty copy of the lonnymq schema's ``message``
+        (columns, defaults, constraints, indexes, storage settings) in the raw queue's schema,
+        with an id sequence of its own."""
+        copy = sql.Identifier(self.raw_schema, "message_copy")
+        sequence = sql.Identifier(self.raw_schema, "message_copy_seq")
+        with self._admin() as conn:
+            options = conn.execute(
+                "SELECT reloptions FROM pg_class WHERE oid = %s::regclass",
+                (sql.Identifier(self.schema, "message").as_string(conn),),
+            ).fetchone()
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(copy))
+            conn.execute(sql.SQL("CREATE SEQUENCE IF NOT EXISTS {}").format(sequence))
+            conn.execute(
+                sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING ALL)").format(
+                    copy, sql.Identifier(self.schema, "message")
+                )
+            )
+            conn.execute(
+                sql.SQL("ALTER TABLE {} ALTER COLUMN id SET DEFAULT nextval({})").format(
+                    copy, sql.Literal(sequence.as_string(conn))
+                )
+            )
+            if options and options[0]:
+                conn.execute(
+                    sql.SQL("ALTER TABLE {} SET ({})").format(
+                        copy, sql.SQL(", ").join(sql.SQL(option) for option in options[0])
+                    )
+                )
+
     def prefill(self, queue_kind: str, count: int, channels: int) -> None:
         with self._admin() as conn:
             if queue_kind in RAW_TABLES:
@@ -494,8 +539,10 @@ class Bench:
 
     def row_run(self, kind: str, shape: str, batch: int, channels: int) -> float:
         """One run of one row of the throughput table, from a fresh schema; messages per
-        second (``kind``: raw, durable, lonnymq or lonnymq2)."""
+        second (``kind``: raw, durable, lonnymq, lonnymq2 or ceiling)."""
         self.reset()
+        if kind == "ceiling":
+            self.make_ceiling()
         before = 0
         if shape == "drain":
             # Enough not to run dry within the run: batches drain faster, the raw queue's
@@ -519,12 +566,16 @@ class Bench:
                 # The durable floor where lonnymq locks then finishes: drain and steady.
                 floor = [("durable", 1)] if shape != "enqueue" else []
                 extra = [("lonnymq2", 100)] if shape != "enqueue" and batch == 1 else []
+                if shape == "enqueue" and batch == BATCH:
+                    # The table's own ceiling where a call writes many rows.
+                    extra = [("ceiling", n) for n in self.profile.channel_counts[1:]]
                 for kind, channels in variants[:1] + floor + variants[1:] + extra:
                     label = {
                         "raw": "raw",
                         "durable": DURABLE,
                         "lonnymq": f"lonnymq, {channels:,} ch",
                         "lonnymq2": f"lonnymq, {channels:,} ch, 2 tx",
+                        "ceiling": f"{CEILING}, {channels:,} ch",
                     }[kind]
                     result = Result(shape=shape, queue=label, batch=batch)
                     for _ in range(self.profile.repeats):
@@ -790,7 +841,9 @@ def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> li
     # Wide enough for each bar's three-line label (a row per shape, batch and queue).
     fig, ax = plt.subplots(figsize=(max(11.0, 0.7 * len(rows)), 5.5))
     heights = [r.median / raw[(r.shape, r.batch)] for r in rows]
-    colors = ["#999999" if r.queue == DURABLE else "#3b7dd8" for r in rows]
+    colors = [
+        "#999999" if r.queue == DURABLE or r.queue.startswith(CEILING) else "#3b7dd8" for r in rows
+    ]
     ax.bar(range(len(rows)), heights, color=colors)
     ax.axhline(1.0, color="#888", linestyle="--", label="raw SKIP LOCKED queue")
     labels = [
@@ -801,7 +854,8 @@ def _plot(results: list[Result], latency: list[dict[str, Any]], out: Path) -> li
     ax.set_yscale("log")
     ax.set_ylabel("throughput / raw queue's (median, log scale)")
     ax.set_title(
-        "lonnymq (blue) and the durable floor (grey) against the raw SKIP LOCKED queue, "
+        "lonnymq (blue), the durable floor and the message-table ceiling (grey) against the "
+        "raw SKIP LOCKED queue, "
         "same server, same run",
         fontsize=10,
     )

@@ -17,6 +17,7 @@ import pytest
 
 from lonnymq import Queue
 from lonnymq.bench import (
+    CEILING,
     PROFILES,
     Bench,
     drop_schemas,
@@ -54,6 +55,14 @@ def test_bench_quick_writes_a_report(dsn: str, tmp_path: Path) -> None:
             # The durable floor runs where lonnymq locks then finishes, and lonnymq's rows
             # there carry their ratio to it.
             assert ((shape, batch, "durable floor") in shapes) == (shape != "enqueue")
+    # The message-table ceiling runs beside enqueue in batches only, at every channel count
+    # of the profile but the first.
+    ceilings = [
+        (r["shape"], r["batch"], r["queue"]) for r in rows if r["queue"].startswith(CEILING)
+    ]
+    assert ceilings == [
+        ("enqueue", 100, f"{CEILING}, {n:,} ch") for n in PROFILES["quick"].channel_counts[1:]
+    ]
     assert all(r["median"] > 0 for r in rows)
     for r in rows:
         assert r["x_raw"] > 0
@@ -208,6 +217,61 @@ def test_the_durable_floor_locks_each_message_once_then_finishes_it(
         finished = clients * (calls - 1) * batch  # every take before it, finished
         assert left == total - finished
         assert bench._produced("durable") - bench._remaining("durable") == finished
+    finally:
+        bench.close()
+        drop_schemas(dsn, *schemas)
+
+
+def test_the_message_table_ceiling_inserts_into_a_copy_of_message(dsn: str, tmp_path: Path) -> None:
+    """The ceiling's table has message's columns, indexes and storage settings and an id
+    sequence of its own; a call of its script adds a batch of rows there over the channels
+    asked for, and nothing to lonnymq's queue."""
+    schemas = (f"t_{uuid.uuid4().hex[:16]}", f"t_{uuid.uuid4().hex[:16]}")
+    queue_schema, raw = schemas
+    bench = Bench(dsn, PROFILES["quick"], tmp_path, lambda _: None, schemas=schemas)
+    try:
+        bench.reset()
+        bench.make_ceiling()
+        script = bench._script(("ceiling", "create", 100))
+        proc = bench._pgbench(script, 2, 7, calls=3)
+        output, _ = proc.communicate()
+        pgbench_tps(output, proc.returncode)
+        with psycopg.connect(dsn) as conn:
+
+            def catalog(schema: str, table: str) -> tuple[object, ...]:
+                row = conn.execute(
+                    "SELECT c.reloptions, "
+                    # Each index's definition without its name and table's.
+                    "(SELECT array_agg(x.d ORDER BY x.d) FROM (SELECT regexp_replace("
+                    "  pg_get_indexdef(i.indexrelid), 'INDEX \\S+ ON \\S+ ', 'INDEX ON ') AS d "
+                    "  FROM pg_index i WHERE i.indrelid = c.oid) x), "
+                    "(SELECT array_agg(a.attname || ' ' || format_type(a.atttypid, a.atttypmod) "
+                    "  ORDER BY a.attnum) FROM pg_attribute a "
+                    " WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped) "
+                    "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE n.nspname = %s AND c.relname = %s",
+                    (schema, table),
+                ).fetchone()
+                assert row is not None
+                return tuple(row)
+
+            original, copy = catalog(queue_schema, "message"), catalog(raw, "message_copy")
+            assert copy == original
+            options = original[0]
+            assert isinstance(options, list)
+            assert "fillfactor=80" in options
+            count, distinct_ids, channels, outside, unlocked = conn.execute(
+                "SELECT count(*), count(DISTINCT id), count(DISTINCT channel), "
+                "count(*) FILTER (WHERE channel NOT IN ('c1','c2','c3','c4','c5','c6','c7')), "
+                "count(*) FILTER (WHERE NOT is_locked AND num_attempts = 0) "
+                f"FROM {raw}.message_copy"
+            ).fetchone() or (0, 0, 0, 0, 0)
+            assert (count, distinct_ids, outside, unlocked) == (600, 600, 0, 600)
+            assert channels > 1
+            assert conn.execute(f"SELECT count(*) FROM {queue_schema}.message").fetchone() == (0,)
+            assert conn.execute(
+                f"SELECT is_called FROM {queue_schema}.message_id_seq"
+            ).fetchone() == (False,)
     finally:
         bench.close()
         drop_schemas(dsn, *schemas)
