@@ -141,6 +141,22 @@ def test_no_compaction_while_a_transaction_has_the_table_open(
     assert [m[2] for m in _rows(admin, queue.schema, "message")] == [b"live"]
 
 
+def test_a_spark_snapshot_lets_compaction_go_as_its_block_ends(dsn: str) -> None:
+    """The shared lock that keeps compactions away is released when the block ends, not some
+    time after (when the closed connection's backend exits): at once, a compaction's exclusive
+    try of it succeeds. Each time of many, the lock and the block one right after the other."""
+    with psycopg.connect(dsn, autocommit=True) as other:
+        for _ in range(50):
+            with snapshot(dsn):
+                pass
+            with other.transaction():
+                row = other.execute(
+                    "SELECT pg_catalog.pg_try_advisory_xact_lock("
+                    "pg_catalog.hashtextextended('lonnymq.snapshot', 0))"
+                ).fetchone()
+            assert row == (True,)
+
+
 def test_no_compaction_while_a_spark_snapshot_is_held(
     queue: Queue, admin: Conn, holder: Conn, churn: Churn, dsn: str
 ) -> None:

@@ -77,13 +77,22 @@ def snapshot(dsn: str | None = None) -> Iterator[str]:
         # progress finishes first, and none starts until the connection closes.
         conn.autocommit = True
         conn.execute(f"SELECT pg_catalog.pg_advisory_lock_shared({_core.SNAPSHOT_LOCK_KEY})")
-        conn.autocommit = False
-        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        conn.read_only = True
-        with conn.transaction():
-            row = conn.execute("SELECT pg_export_snapshot()").fetchone()
-            assert row is not None
-            yield str(row[0])
+        try:
+            conn.autocommit = False
+            conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            conn.read_only = True
+            with conn.transaction():
+                row = conn.execute("SELECT pg_export_snapshot()").fetchone()
+                assert row is not None
+                yield str(row[0])
+        finally:
+            # Let go of the lock before the block ends: a closed connection's backend releases
+            # its locks only as it exits, a moment after the close returns.
+            if not conn.broken:
+                conn.autocommit = True
+                conn.execute(
+                    f"SELECT pg_catalog.pg_advisory_unlock_shared({_core.SNAPSHOT_LOCK_KEY})"
+                )
 
 
 def write_result(
