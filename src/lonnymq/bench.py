@@ -16,8 +16,8 @@ what durability costs.
 
 Enqueue in batches also runs a *message-table ceiling*: a plain ``INSERT`` of the same rows
 into a copy of lonnymq's ``message`` table (its columns, indexes and storage settings), with no
-function call, channel rows or checks: the most any create over that table can reach, so the
-part of the gap to the raw queue that is the table's own.
+function call, channel rows or checks: the most any create into that table can reach, so that
+the part of the gap to the raw queue that is the table's own is measured too.
 
 Dequeue latency against backlog size and against pathological backlogs (future-dated
 messages ahead, one channel per message, expired locks, saturated channels) is measured from
