@@ -1,5 +1,5 @@
-"""A batch finish deletes its messages in one statement, locking them in id order: two finishes
-of overlapping claims, and a settle beside either, always meet at the lowest id first."""
+"""A batch finish deletes its messages in one statement, locking them in id order (the order a
+mixed settle locks them in too), whatever the order of their channels or of the caller's list."""
 
 from __future__ import annotations
 

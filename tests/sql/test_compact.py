@@ -15,6 +15,7 @@ import pytest
 from psycopg import sql
 
 from lonnymq import NewMessage, Queue
+from lonnymq._core import SNAPSHOT_LOCK_KEY
 from lonnymq.errors import InvalidArgumentError
 from lonnymq.spark import snapshot
 from lonnymq.types import CreateStatus
@@ -151,8 +152,7 @@ def test_a_spark_snapshot_lets_compaction_go_as_its_block_ends(dsn: str) -> None
                 pass
             with other.transaction():
                 row = other.execute(
-                    "SELECT pg_catalog.pg_try_advisory_xact_lock("
-                    "pg_catalog.hashtextextended('lonnymq.snapshot', 0))"
+                    f"SELECT pg_catalog.pg_try_advisory_xact_lock({SNAPSHOT_LOCK_KEY})"
                 ).fetchone()
             assert row == (True,)
 

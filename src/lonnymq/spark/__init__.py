@@ -74,7 +74,7 @@ def snapshot(dsn: str | None = None) -> Iterator[str]:
     with psycopg.connect(_core.with_client_timeouts(dsn)) as conn:
         # Before the snapshot is taken, in a transaction of its own (a statement of the
         # snapshot's transaction would take the snapshot before the lock): a compaction in
-        # progress finishes first, and none starts until the connection closes.
+        # progress finishes first, and none starts until the block ends.
         conn.autocommit = True
         conn.execute(f"SELECT pg_catalog.pg_advisory_lock_shared({_core.SNAPSHOT_LOCK_KEY})")
         try:
