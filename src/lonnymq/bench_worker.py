@@ -64,6 +64,8 @@ POOL_CAP = 32
 """A worker's pool: its concurrency, at most this, plus 4 (the server takes 100 connections)."""
 PACE = 0.5
 """The paced phase creates at this share of the saturated rate."""
+STARTUP_S = 60.0
+"""How long a consumer may take from its start to its first handler."""
 DRAIN_WAITS = 10
 """The paced phase waits for the backlog to drain for at most this many measuring periods
 (then measures anyway, and says it had not kept up)."""
@@ -394,6 +396,13 @@ def measure_consumer(
         with maintained or nullcontext():
             consumer.thread.start()
             consumer.ready.wait(60)
+            # Measure from the first handler on: a consumer may say it has started well before
+            # it takes anything (awa's runtime elects a leader and starts its claimers first).
+            deadline = time.perf_counter() + STARTUP_S
+            while not load.pickups and consumer.error is None and load.error is None:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"{name} at {concurrency}: no handler in {STARTUP_S} s")
+                load.stop.wait(0.005)
             load.stop.wait(min(1.0, seconds))  # warm up: connections, plans, the pool
             rate, saturated = _measure(finished, load, seconds)
             # Paced: wait for the backlog to drain, then measure what pickup adds.

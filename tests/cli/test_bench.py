@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from lonnymq import Queue
+from lonnymq import Queue, bench_worker
 from lonnymq.bench import (
     CEILING,
     PROFILES,
@@ -25,7 +26,7 @@ from lonnymq.bench import (
     run_bench,
     spark_unavailable,
 )
-from lonnymq.bench_worker import run_worker_shape
+from lonnymq.bench_worker import Consumer, Load, measure_consumer, run_worker_shape
 from lonnymq.spark.bench import message_copy
 
 
@@ -343,3 +344,46 @@ def test_bench_refuses_worker_with_another_single_section(tmp_path: Path) -> Non
         )  # fmt: skip
         assert result.returncode != 0
         assert "separate runs" in result.stderr
+
+
+def test_the_worker_shape_measures_from_a_slow_starting_consumers_first_handler() -> None:
+    """A consumer that reports ready well before it takes anything (as awa's runtime does) is
+    measured from its first handler on, even when that comes after a whole measuring period."""
+    load = Load(lambda count: None)  # the messages "created": a count is enough here
+    consumer: Consumer
+
+    def serve() -> None:
+        consumer.ready.set()
+        time.sleep(1.0)  # longer than the warm-up and the saturated period together
+        while not load.stop.is_set():
+            if load.waiting() > 0:
+                load.pickups.append(0.5)
+                served.append(1)
+            else:
+                time.sleep(0.001)
+
+    served: list[int] = []
+    consumer = Consumer(serve)
+    consumer.stop = load.stop.set
+    row = measure_consumer("slow starter", 8, 0.2, load=load, consumer=consumer,
+                           finished=lambda: len(served))  # fmt: skip
+    assert row["msgs_per_s"] > 0
+    assert row["pickup_saturated"]["p50_ms"] == 0.5
+    assert row["pickup_paced"]["p50_ms"] == 0.5
+
+
+def test_the_worker_shape_says_when_a_consumer_never_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bench_worker, "STARTUP_S", 0.3)
+    load = Load(lambda count: None)
+
+    def idle() -> None:
+        consumer.ready.set()
+        load.stop.wait(30)
+
+    consumer = Consumer(idle)
+    consumer.stop = load.stop.set
+    with pytest.raises(RuntimeError, match=r"never starts at 8: no handler in 0\.3 s"):
+        measure_consumer("never starts", 8, 0.2, load=load, consumer=consumer,
+                         finished=lambda: 0)  # fmt: skip
