@@ -1003,13 +1003,13 @@ class Queue:
         VACUUM can remove them, as while a long transaction anywhere in the database holds an
         old snapshot; returns the names of the tables it rewrote. Ids, locks, attempts and
         every other column stay as they were. A table with more than ``max_live`` live rows (or
-        64 MiB of them) is left alone, and so is every table while a
-        :func:`lonnymq.spark.snapshot` block is open, a ``pg_dump`` is connected, or a
-        transaction has the table open (it tries for about 50 ms, never queueing for the
-        lock). A transaction whose snapshot predates a rewrite sees the table empty if it reads
-        it only afterwards (see "Compacting" in the maintenance guide). Needs the tables'
-        owner: for a role granted a kind it does nothing and returns ``[]``, as
-        :meth:`maintain` does."""
+        64 MiB of them) is left alone, and so is ``message`` while a
+        :func:`lonnymq.spark.snapshot` block is open (a Spark read never reads ``channel``),
+        and every table while a ``pg_dump`` is connected or a transaction has the table open
+        (it tries for about 50 ms, never queueing for the lock). A transaction whose snapshot
+        predates a rewrite sees the table empty if it reads it only afterwards (see
+        "Compacting" in the maintenance guide). Needs the tables' owner: for a role granted a
+        kind it does nothing and returns ``[]``, as :meth:`maintain` does."""
         max_live = _core.check_max_live(max_live)
         done: list[str] = []
         for table in _core.MAINTAINED_TABLES:

@@ -63,7 +63,8 @@ def snapshot(dsn: str | None = None) -> Iterator[str]:
 
     Every partition of a ``spark.read`` given this id sees the database exactly as it was when
     the block started. Run the Spark action inside the block: the snapshot ends with it.
-    While the block is open no queue of the database is compacted (``Queue.compact``).
+    While the block is open no queue's ``message`` table is compacted (``Queue.compact``); the
+    ``channel`` table, which no Spark read reads, still is.
     ``dsn`` defaults to ``$LONNYMQ_DSN``.
     """
     import psycopg

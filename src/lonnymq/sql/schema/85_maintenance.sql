@@ -45,7 +45,8 @@
 -- the table and writes them back, ids, locks, attempts and marks unchanged. The price: a
 -- transaction whose snapshot is older than the compaction and that reads the table for the
 -- first time after it sees the table as empty (TRUNCATE is not MVCC-safe). Hence the guards:
--- no compaction while a lonnymq.spark.snapshot() is held (its advisory lock), while a pg_dump
+-- no compaction of message while a lonnymq.spark.snapshot() is held (its advisory lock; a
+-- Spark read in it reads message, never channel), none while a pg_dump
 -- is connected, or while any transaction has the table open (it holds a lock on it); and no
 -- function of the schema that reads channel or message is STABLE (a STABLE function reads
 -- with its caller's snapshot, which may predate the lock it then waits for).
@@ -266,16 +267,17 @@ $$;
 -- row is rewritten by every take that serves it, and each statement that finds it by name
 -- walks its versions: hence the lower mark for a table of a few rows. Returns what it did:
 -- 'compacted'; 'not_needed'; 'too_large' (more than p_max_live live rows, or more than 64 MiB
--- of them: the copy is held in memory and everything waits for it); 'snapshot_held' (a
--- lonnymq.spark.snapshot() block is open, or another schema's compaction runs);
+-- of them: the copy is held in memory and everything waits for it); 'snapshot_held' (message
+-- only: a lonnymq.spark.snapshot() block is open, or another schema's compaction of message
+-- runs);
 -- 'dump_running' (a pg_dump is connected to the database); 'busy' (in 50 tries about a
 -- millisecond apart, the table was never free of open transactions). It never waits in the
 -- table's lock queue: its tries are NOWAIT, so no operation of the queue waits behind it,
 -- only during the copy (milliseconds for 10,000 rows). The rows written back keep every
 -- column (ids, locks, attempts, the channel marks) and fire the table's INSERT triggers (none
 -- of the schema's own).
--- Locks: the table (ACCESS EXCLUSIVE, to its transaction's end), the advisory lock that
--- snapshot() shares (exclusive), the table's maintenance_vacuum row. Raises: LQ003 (another
+-- Locks: the table (ACCESS EXCLUSIVE, to its transaction's end), for message the advisory
+-- lock that snapshot() shares (exclusive), the table's maintenance_vacuum row. Raises: LQ003 (another
 -- table name, p_max_live out of 1..1,000,000).
 CREATE OR REPLACE FUNCTION maintenance_compact(p_table_name TEXT, p_max_live INTEGER)
 RETURNS TEXT
@@ -326,8 +328,10 @@ BEGIN
     THEN
         RETURN 'dump_running';
     END IF;
-    -- The key lonnymq.spark.snapshot() holds shared while its snapshot lives.
-    IF NOT pg_catalog.pg_try_advisory_xact_lock(
+    -- The key lonnymq.spark.snapshot() holds shared while its snapshot lives. A Spark read in
+    -- that snapshot reads message (or archive, which is never compacted), not channel: a
+    -- channel's row, rewritten by every take, is still compacted while one is open.
+    IF p_table_name = 'message' AND NOT pg_catalog.pg_try_advisory_xact_lock(
         pg_catalog.hashtextextended('lonnymq.snapshot', 0))
     THEN
         RETURN 'snapshot_held';
