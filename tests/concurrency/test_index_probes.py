@@ -601,6 +601,13 @@ def test_every_dequeue_step_is_an_index_probe(
         seconds, got = _time_dequeues(dsn, queue.schema)
     _check_plans(plans, shape.steps, tolerated)
     _check_plans(forced_plans, shape.steps, frozenset())
+    # The look for expired locks is planned for its arguments even where the session asks for
+    # generic plans: where it starts is folded into its index scan's bounds, never left as a
+    # filter (OR) that a scan from the lowest expiry applies to every entry it walks.
+    for plan in plans + forced_plans:
+        if _step_of(plan) == "recover":
+            filters = [n.get("Filter", "") for n in _nodes(plan.root)]
+            assert not any(" OR " in f for f in filters), _describe(plan)
 
     # The dequeues returned what the reference query names, in order.
     results += forced_results
@@ -726,6 +733,10 @@ def test_every_function_probing_for_heads_plans_no_bitmap(
     # moving, the plan cache chose to plan its look for the due channel anew in ~40% of takes.
     generic = {n for n, config, _ in rows if "plan_cache_mode=force_generic_plan" in (config or [])}
     assert "message_take_one" in generic
+    # ... but the look for expired locks it calls is planned for its arguments: where it
+    # starts must be a bound of its index scan, which a generic plan would make a filter.
+    custom = {n for n, config, _ in rows if "plan_cache_mode=force_custom_plan" in (config or [])}
+    assert "message_recover" in custom
     queue.create(b"x", channel="a")
     with psycopg.connect(dsn, autocommit=True) as conn:
         taken = conn.execute(

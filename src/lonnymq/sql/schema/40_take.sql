@@ -45,8 +45,12 @@
 CREATE OR REPLACE FUNCTION message_recover(p_now BIGINT, p_lock_ms BIGINT, p_gate BIGINT)
 RETURNS message
 LANGUAGE plpgsql
--- One probe of message_unlock_ix, whatever the statistics say.
+-- One probe of message_unlock_ix, whatever the statistics say; planned for its arguments at
+-- every call (it runs about once a second), so that where the probe starts is a bound of the
+-- index scan, not a filter of a scan from the lowest expiry (what a generic plan, the kind
+-- message_take_one's statements keep, would make of it).
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
+SET plan_cache_mode = force_custom_plan
 SET search_path FROM CURRENT
 AS $$
 DECLARE
