@@ -46,10 +46,10 @@
 -- transaction whose snapshot is older than the compaction and that reads the table for the
 -- first time after it sees the table as empty (TRUNCATE is not MVCC-safe). Hence the guards:
 -- no compaction of message while a lonnymq.spark.snapshot() is held (its advisory lock; a
--- Spark read in it reads message, never channel), none while a pg_dump
--- is connected, or while any transaction has the table open (it holds a lock on it); and no
--- function of the schema that reads channel or message is STABLE (a STABLE function reads
--- with its caller's snapshot, which may predate the lock it then waits for).
+-- Spark read in it reads message, never channel), none while a pg_dump is connected or while
+-- any transaction has the table open (it holds a lock on it); and no function of the schema
+-- that reads channel or message is STABLE (a STABLE function reads with its caller's
+-- snapshot, which may predate the lock it then waits for).
 
 
 -- queue_verify(): one row per discrepancy between the channel rows and the message rows:
@@ -277,8 +277,8 @@ $$;
 -- column (ids, locks, attempts, the channel marks) and fire the table's INSERT triggers (none
 -- of the schema's own).
 -- Locks: the table (ACCESS EXCLUSIVE, to its transaction's end), for message the advisory
--- lock that snapshot() shares (exclusive), the table's maintenance_vacuum row. Raises: LQ003 (another
--- table name, p_max_live out of 1..1,000,000).
+-- lock that snapshot() shares (exclusive), the table's maintenance_vacuum row. Raises: LQ003
+-- (another table name, p_max_live out of 1..1,000,000).
 CREATE OR REPLACE FUNCTION maintenance_compact(p_table_name TEXT, p_max_live INTEGER)
 RETURNS TEXT
 LANGUAGE plpgsql
