@@ -29,7 +29,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -125,10 +124,13 @@ class Model:
         message.attempts += 1
 
 
-def _pick(data: st.DataObject, items: list[int]) -> int:
-    """One of ``items``, drawn with the same shape whatever their number: which messages
-    exist depends on the real clock, and Hypothesis requires draws it can replay."""
-    return items[data.draw(st.integers(0, 1 << 16)) % len(items)]
+def _pick(data: st.DataObject, items: list[int]) -> int | None:
+    """One of ``items`` (None when there is none), drawn with the same shape whatever their
+    number: which messages exist and which are locked depend on the real clock (which channel
+    a dequeue served), and Hypothesis replays draws by their position. For the same reason no
+    rule has a precondition on them: a rule with nothing to act on draws, then does nothing."""
+    drawn = data.draw(st.integers(0, 1 << 16))
+    return items[drawn % len(items)] if items else None
 
 
 class QueueMachine(RuleBasedStateMachine):
@@ -320,43 +322,49 @@ class QueueMachine(RuleBasedStateMachine):
     def holdable(self) -> list[int]:
         return sorted(i for i, m in self.model.messages.items() if m.locked)
 
-    @precondition(lambda self: bool(self.holdable()))
     @rule(data=st.data())
     def heartbeat(self, data: st.DataObject) -> None:
         message_id = _pick(data, self.holdable())
+        if message_id is None:
+            return
         unlock_at = self.held[message_id].heartbeat(lock_ms=LOCK_MS)
         self.model.messages[message_id].unlock_at = unlock_at
 
-    @precondition(lambda self: bool(self.holdable()))
     @rule(data=st.data())
     def delete(self, data: st.DataObject) -> None:
         message_id = _pick(data, self.holdable())
+        if message_id is None:
+            return
         self.held[message_id].delete()
         del self.model.messages[message_id]
         self.finished.append(message_id)
 
-    @precondition(lambda self: bool(self.holdable()))
     @rule(data=st.data(), delay=st.sampled_from(DELAYS), state=st.sampled_from([None, b"s"]))
     def defer(self, data: st.DataObject, delay: int | None, state: bytes | None) -> None:
         message_id = _pick(data, self.holdable())
+        if message_id is None:
+            return
         self.held[message_id].defer(dequeue_at=self.at(delay), state=state)
         mine = self.model.messages[message_id]
         mine.locked, mine.unlock_at = False, None
         mine.dequeue_at = self.read_dequeue_at([message_id])[message_id]
 
-    @precondition(lambda self: bool(self.model.messages) or bool(self.finished))
     @rule(data=st.data(), action=st.sampled_from(["heartbeat", "delete", "defer"]))
     def stale_call(self, data: st.DataObject, action: str) -> None:
         """A call with attempts the caller does not hold (or on a finished message) is
         refused with a typed error and changes nothing."""
         known = sorted(self.model.messages) + self.finished
         message_id = _pick(data, known)
+        # Drawn whatever the message's state (see _pick).
+        off_by = data.draw(st.sampled_from([1, -1]))
+        if message_id is None:
+            return
         mine = self.model.messages.get(message_id)
         error: type[MessageError]
         if mine is None:
             attempts, error = 1, MessageNotFoundError
         elif mine.locked:
-            attempts = data.draw(st.sampled_from([mine.attempts + 1, max(1, mine.attempts - 1)]))
+            attempts = max(1, mine.attempts + off_by)
             if attempts == mine.attempts:
                 attempts += 1
             error = StaleMessageError
