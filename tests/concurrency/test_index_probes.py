@@ -755,7 +755,7 @@ SEQSCAN_ALLOWED = {
     # No table of their own: checks, wrappers of functions that have the setting, arithmetic.
     "arg_check", "arg_check_channel", "arg_check_claim", "arg_check_dedup_key",
     "arg_check_lock_ms", "arg_check_payload", "arg_check_range", "arg_check_time",
-    "arg_check_worker_id", "channel_key",
+    "arg_check_worker_id", "channel_hash", "channel_key",
     "channel_servable_at", "message_check_new", "message_complete_and_dequeue", "message_defer",
     "message_delete", "message_dequeue", "message_dequeue_many", "message_finish",
     "message_requeue", "schedule_check_name",

@@ -154,7 +154,7 @@ def test_function_signatures_are_the_installed_identities(queue: Queue, admin: C
 
 # Functions the planner inlines into their callers: a SET clause would prevent that, so they
 # pin nothing and name every object they use with its schema instead.
-INLINED = {"channel_key"}
+INLINED = {"channel_key", "channel_hash"}
 
 
 def test_every_function_pins_its_search_path(queue: Queue, admin: Conn) -> None:
@@ -431,3 +431,32 @@ def test_inlined_functions_are_plain_sql_naming_their_schemas(queue: Queue, admi
         [queue.schema],
     ).fetchall()
     assert same == [(True,)] * 4
+    # channel_hash: the expression that leads message_channel_head_ix (no seed: an index does
+    # not move with the schema's name), so that the planner matches the probes to the index.
+    row = admin.execute(
+        "SELECT pg_get_indexdef(%s::regclass)", [f"{queue.schema}.message_channel_head_ix"]
+    ).fetchone()
+    assert row is not None
+    assert "(hashtextextended(channel, (0)::bigint), dequeue_at, id)" in row[0], row[0]
+    same = admin.execute(
+        sql.SQL(
+            "SELECT {}.channel_hash(n) = hashtextextended(n, 0)"
+            " FROM unnest(ARRAY['default', 'a', 'é ü', repeat('x', 255)]) AS n"
+        ).format(sql.Identifier(queue.schema))
+    ).fetchall()
+    assert same == [(True,)] * 4
+
+
+def test_every_probe_by_channel_hash_checks_the_name_too() -> None:
+    """Two channels whose hashes collide share a range of message_channel_head_ix: every
+    probe that says ``channel_hash(m.channel) = channel_hash(x)`` says ``m.channel = x`` in
+    the same condition, so that it never takes or counts the other channel's messages."""
+    probe = re.compile(r"channel_hash\((\w+)\.channel\) = channel_hash\(([\w.]+)\)")
+    found = 0
+    for name, text in migrate.source_files():
+        for match in probe.finditer(text):
+            found += 1
+            rest = text[match.end() : match.end() + 200]
+            check = f"AND {match[1]}.channel = {match[2]} "
+            assert rest.lstrip().startswith(check), f"{name}: {match[0]} without {check}"
+    assert found >= 14

@@ -60,6 +60,19 @@ END;
 $$;
 
 
+-- channel_hash(): the leading key of message_channel_head_ix, a 64-bit hash of the channel's
+-- name: a fixed-width key, so that a probe's checks of dequeue_at and id find them at the same
+-- offset in every entry (a B-tree scan checks its keys on every entry it reads of a page). The index's expression is this function's body,
+-- with no seed of the schema's: an index must not change with the schema's name. A probe of a
+-- channel's waiting messages says channel_hash(m.channel) = channel_hash(<name>) AND
+-- m.channel = <name>: the planner inlines the function and matches the index by the first,
+-- and the second keeps apart two channels whose hashes collide. Inlined like channel_key.
+-- Locks: none. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_hash(p_channel TEXT) RETURNS BIGINT
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS 'SELECT pg_catalog.hashtextextended(p_channel, 0)';
+
+
 -- channel_lock(): lock a channel's row for update, creating it when missing.
 -- Locks: the channel row (FOR UPDATE), held until the transaction ends.
 -- Raises: 40001 when the row keeps disappearing (the caller may retry).
@@ -100,7 +113,8 @@ SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$
     SELECT x.dequeue_at, x.id FROM message x
-    WHERE x.channel = p_channel AND NOT x.is_locked
+    WHERE channel_hash(x.channel) = channel_hash(p_channel)
+      AND x.channel = p_channel AND NOT x.is_locked
       AND (x.dequeue_at, x.id) >= (p_head_at, p_head_id)
     ORDER BY x.dequeue_at, x.id
     LIMIT 1
@@ -471,7 +485,8 @@ BEGIN
         SELECT CASE WHEN p_served THEN greatest(r.dequeue_at, p_now) ELSE r.dequeue_at END
         INTO v_next_at
         FROM message r
-        WHERE r.channel = p_channel AND NOT r.is_locked
+        WHERE channel_hash(r.channel) = channel_hash(p_channel)
+          AND r.channel = p_channel AND NOT r.is_locked
           AND (r.dequeue_at, r.id) >= (p_head_at, p_head_id)
         ORDER BY r.dequeue_at, r.id
         LIMIT 1;

@@ -146,7 +146,8 @@ BEGIN
             num_attempts = m.num_attempts + 1
         WHERE m.id = (
             SELECT h.id FROM message h
-            WHERE h.channel = v_channel.name AND NOT h.is_locked
+            WHERE channel_hash(h.channel) = channel_hash(v_channel.name)
+              AND h.channel = v_channel.name AND NOT h.is_locked
               AND (h.dequeue_at, h.id) >= (v_channel.head_at, v_channel.head_id)
               AND h.dequeue_at <= v_now
             ORDER BY h.dequeue_at, h.id
@@ -172,7 +173,8 @@ BEGIN
             last_dequeue_at = v_now
         FROM (
             SELECT greatest(t.dequeue_at, v_now) AS next_at FROM message t
-            WHERE t.channel = v_channel.name AND NOT t.is_locked
+            WHERE channel_hash(t.channel) = channel_hash(v_channel.name)
+              AND t.channel = v_channel.name AND NOT t.is_locked
               AND (t.dequeue_at, t.id) >= (v_channel.head_at, v_channel.head_id)
             ORDER BY t.dequeue_at, t.id
             LIMIT 1) n
@@ -209,7 +211,8 @@ BEGIN
         num_attempts = m.num_attempts + 1
     WHERE m.id = (
         SELECT h.id FROM message h
-        WHERE h.channel = v_busy AND NOT h.is_locked
+        WHERE channel_hash(h.channel) = channel_hash(v_busy)
+          AND h.channel = v_busy AND NOT h.is_locked
           -- Where its row says its waiting messages begin, read in this statement's snapshot
           -- (two scalar reads keep the probe one ordered index scan).
           AND (h.dequeue_at, h.id) >= (
@@ -361,7 +364,8 @@ BEGIN
                                 SELECT x.id, row_number() OVER () AS rn
                                 FROM (
                                     SELECT m.id FROM message m
-                                    WHERE m.channel = f.name AND NOT m.is_locked
+                                    WHERE channel_hash(m.channel) = channel_hash(f.name)
+                                      AND m.channel = f.name AND NOT m.is_locked
                                       AND (m.dequeue_at, m.id) >= (f.head_at, f.head_id)
                                       AND m.dequeue_at <= v_now
                                     ORDER BY m.dequeue_at, m.id
@@ -405,7 +409,8 @@ BEGIN
                     WITH next_heads AS (
                         SELECT f.name, f.ord, f.head_at, f.head_id,
                                (SELECT greatest(s.dequeue_at, v_now) FROM message s
-                                WHERE s.channel = f.name AND NOT s.is_locked
+                                WHERE channel_hash(s.channel) = channel_hash(f.name)
+                                  AND s.channel = f.name AND NOT s.is_locked
                                   AND (s.dequeue_at, s.id) >= (f.head_at, f.head_id)
                                 ORDER BY s.dequeue_at, s.id
                                 LIMIT 1) AS next_at
@@ -496,7 +501,8 @@ BEGIN
                             SELECT x.id, row_number() OVER () AS rn
                             FROM (
                                 SELECT m.id FROM message m
-                                WHERE m.channel = b.name AND NOT m.is_locked
+                                WHERE channel_hash(m.channel) = channel_hash(b.name)
+                                  AND m.channel = b.name AND NOT m.is_locked
                                   AND (m.dequeue_at, m.id) >= (b.head_at, b.head_id)
                                   AND m.dequeue_at <= v_now
                                 ORDER BY m.dequeue_at, m.id
@@ -594,7 +600,8 @@ BEGIN
                                 num_attempts = m.num_attempts + 1
                             WHERE m.id = ANY (ARRAY(
                                 SELECT h.id FROM message h
-                                WHERE h.channel = v_busy AND NOT h.is_locked
+                                WHERE channel_hash(h.channel) = channel_hash(v_busy)
+                                  AND h.channel = v_busy AND NOT h.is_locked
                                   -- As take_one's ride-along reads it.
                                   AND (h.dequeue_at, h.id) >= (
                                       (SELECT b.head_at FROM channel b WHERE b.name = v_busy),
@@ -672,7 +679,8 @@ BEGIN
                     num_attempts = m.num_attempts + 1
                 WHERE m.id = (
                     SELECT h.id FROM message h
-                    WHERE h.channel = v_channel.name AND NOT h.is_locked
+                    WHERE channel_hash(h.channel) = channel_hash(v_channel.name)
+                      AND h.channel = v_channel.name AND NOT h.is_locked
                       AND (h.dequeue_at, h.id) >= (v_channel.head_at, v_channel.head_id)
                       AND h.dequeue_at <= v_now
                     ORDER BY h.dequeue_at, h.id
@@ -704,7 +712,8 @@ BEGIN
                                                ELSE c.last_dequeue_at END,
                         next_dequeue_at = (
                             SELECT greatest(n.dequeue_at, v_release_at) FROM message n
-                            WHERE n.channel = c.name AND NOT n.is_locked
+                            WHERE channel_hash(n.channel) = channel_hash(c.name)
+                              AND n.channel = c.name AND NOT n.is_locked
                               AND (n.dequeue_at, n.id) >= (c.head_at, c.head_id)
                             ORDER BY n.dequeue_at, n.id
                             LIMIT 1),

@@ -710,7 +710,8 @@ BEGIN
         FROM channel c
         CROSS JOIN LATERAL (
             SELECT m.id, m.dequeue_at FROM message m
-            WHERE m.channel = c.name AND NOT m.is_locked
+            WHERE channel_hash(m.channel) = channel_hash(c.name)
+              AND m.channel = c.name AND NOT m.is_locked
               AND (m.dequeue_at, m.id) >= (c.head_at, c.head_id)
             ORDER BY m.dequeue_at, m.id
             LIMIT 1) h

@@ -231,10 +231,11 @@ DECLARE
 BEGIN
     FOR v_function IN
         SELECT f.name, f.args FROM schema_functions() f
-        -- Plain SQL helpers the planner inlines into their callers (channel_key): a
-        -- SET clause or SECURITY DEFINER would stop that. They name pg_catalog themselves,
-        -- touch no table, and lose EXECUTE for PUBLIC below like every function.
-        WHERE f.name <> ALL (ARRAY['channel_key'])
+        -- Plain SQL helpers the planner inlines into their callers (channel_key,
+        -- channel_hash): a SET clause or SECURITY DEFINER would stop that. They name
+        -- pg_catalog themselves, touch no table, and lose EXECUTE for PUBLIC below like every
+        -- function.
+        WHERE f.name <> ALL (ARRAY['channel_key', 'channel_hash'])
     LOOP
         EXECUTE format(
             'ALTER FUNCTION %I.%I(%s) SECURITY DEFINER SET search_path = %I, pg_catalog, pg_temp',

@@ -136,7 +136,8 @@ BEGIN
     CROSS JOIN LATERAL (
         SELECT count(*) AS n FROM (
             SELECT 1 FROM message m
-            WHERE NOT c.has_policy AND m.channel = p.name AND NOT m.is_locked
+            WHERE NOT c.has_policy AND channel_hash(m.channel) = channel_hash(p.name)
+              AND m.channel = p.name AND NOT m.is_locked
             LIMIT p_count_cap) x
     ) w
     ORDER BY p.ord;
@@ -183,7 +184,8 @@ BEGIN
                 substring(m.state FROM 1 FOR p_preview_bytes), octet_length(m.state),
                 m.dedup_key
             FROM message m
-            WHERE NOT m.is_locked AND m.channel = p_channel
+            WHERE channel_hash(m.channel) = channel_hash(p_channel)
+              AND m.channel = p_channel AND NOT m.is_locked
               AND (p_after_at IS NULL OR (m.dequeue_at, m.id) > (p_after_at, p_after_id))
             ORDER BY m.dequeue_at, m.id
             LIMIT p_limit;
