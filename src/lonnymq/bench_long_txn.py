@@ -396,6 +396,11 @@ class LongTxnBench:
         assert now_row is not None
         now = sql.Literal(int(now_row[0]))
         message, channel = self._s("message"), self._s("channel")
+        # Channel c1's head is looked for as a take looks: from where its row says its waiting
+        # messages begin (the low end when it has no row), by the index's hash of the name.
+        mark = conn.execute(
+            sql.SQL("SELECT c.head_at, c.head_id FROM {} c WHERE c.name = 'c1'").format(channel)
+        ).fetchone() or (-(2**63), 0)
         probes = {
             "expired_lock": sql.SQL(
                 "SELECT e.id FROM {} e WHERE e.is_locked AND e.unlock_at <= {} "
@@ -407,9 +412,17 @@ class LongTxnBench:
                 "AND c.next_dequeue_at <= {} ORDER BY c.next_dequeue_at, c.turn LIMIT 1"
             ).format(channel, now),
             "channel_head": sql.SQL(
-                "SELECT h.id FROM {} h WHERE h.channel = 'c1' AND NOT h.is_locked "
+                "SELECT h.id FROM {} h WHERE {}(h.channel) = {}('c1') AND h.channel = 'c1' "
+                "AND NOT h.is_locked AND (h.dequeue_at, h.id) >= ({}, {}) "
                 "AND h.dequeue_at <= {} ORDER BY h.dequeue_at, h.id LIMIT 1"
-            ).format(message, now),
+            ).format(
+                message,
+                self._s("channel_hash"),
+                self._s("channel_hash"),
+                sql.Literal(int(mark[0])),
+                sql.Literal(int(mark[1])),
+                now,
+            ),
             "channel_row": sql.SQL("SELECT c.has_policy FROM {} c WHERE c.name = 'c1'").format(
                 channel
             ),
