@@ -249,22 +249,38 @@ class OldConsumer:
         self.errors: list[str] = []
         self.stop = threading.Event()
         self._guard = threading.Lock()
+        # What ended run() other than stop: the test fails on it.
+        self.crashed: BaseException | None = None
 
     def count(self) -> int:
         with self._guard:
             return len(self.finished)
 
     def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:
+            self.crashed = err
+            raise
+
+    def _run(self) -> None:
         dequeue = sql.SQL("SELECT id, num_attempts FROM {}.message_dequeue(%s)").format(self.s)
         delete = sql.SQL("SELECT {}.message_delete(%s, %s)").format(self.s)
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             while not self.stop.is_set():
-                row = conn.execute(dequeue, (OLD_LOCK_MS,)).fetchone()
+                # A statement may lose a deadlock with the upgrade (which holds channel, then
+                # waits for message, as a take holds message, then waits for channel): the
+                # take is rolled back whole, and run again.
+                try:
+                    row = conn.execute(dequeue, (OLD_LOCK_MS,)).fetchone()
+                except psycopg.errors.DeadlockDetected as err:
+                    self.errors.append(str(err))
+                    continue
                 if row is None or row[0] is None:
                     time.sleep(0.01)
                     continue
                 time.sleep(0.005)
-                for _ in range(5):  # a statement may lose a deadlock with the upgrade
+                for _ in range(5):  # as above
                     try:
                         conn.execute(delete, (row[0], row[1]))
                         break
@@ -342,6 +358,7 @@ def test_upgrade_under_load_loses_nothing(dsn: str, schema_name: str, admin: Con
             for thread in threads:
                 thread.join(timeout=30)
         assert not any(t.is_alive() for t in threads)
+        assert [c.crashed for c in consumers] == [None, None]
         assert before < count  # the upgrade ran while messages were waiting
 
         # The messages held since before the upgrade still carry valid attempts.
