@@ -437,8 +437,13 @@ class Bench:
         """Start pgbench on ``script`` for the profile's duration, or for exactly ``calls``
         runs of it per client (whatever the time they take)."""
         length = ["-T", str(self.profile.seconds)] if calls is None else ["-t", str(calls)]
+        # The durable floor's consumers can deadlock: FOR UPDATE SKIP LOCKED skips a row that
+        # is locked, but waits when it follows a row's update chain to a version another
+        # transaction holds (a batch the other consumer is deleting). A consumer runs such a
+        # call again, and pgbench does (the statement is rolled back whole).
+        retries = ["--max-tries", "20"] if script.name.startswith("durable_") else []
         args = [
-            self.pgbench, "-n", "-c", str(clients), "-j", "1", *length,
+            self.pgbench, "-n", "-c", str(clients), "-j", "1", *length, *retries,
             "-f", str(script), "-D", f"channels={channels}",
             "-D", "id=0", "-D", "na=0", "-D", "ids={}", "-D", "nas={}", self.dsn,
         ]  # fmt: skip
