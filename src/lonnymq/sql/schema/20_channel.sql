@@ -38,8 +38,10 @@
 --   sees every waiting message. It
 --   reads messages that riders have locked but not committed as waiting, so a rider that
 --   rolls back leaves nothing behind the head.
--- A probe reads (head_at, head_id) from the row it holds, or in the same statement (the same
--- snapshot) as the messages.
+-- A probe reads (head_at, head_id) from the row it holds, in the same statement (the same
+-- snapshot) as the messages, or, riding along, under the channel's shared advisory lock, which
+-- keeps the mark from moving up: a mark brought down after that read makes this take pass the
+-- message that brought it down, as a take begun a moment sooner would, and no later one.
 
 
 -- channel_key(): the advisory lock key of a channel of this schema: hashtextextended of the

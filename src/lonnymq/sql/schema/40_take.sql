@@ -102,6 +102,9 @@ DECLARE
     v_message message;
     v_channel channel;
     v_busy TEXT;
+    v_policy BOOLEAN;
+    v_head_at BIGINT;
+    v_head_id BIGINT;
 BEGIN
     -- The lock gate and the ready floor in one statement; channel_ready_floor only when a look
     -- from the low end is due (it reads the same two sequences first: a call of it by every
@@ -200,8 +203,13 @@ BEGIN
     IF NOT pg_try_advisory_xact_lock_shared(channel_key(v_busy)) THEN
         RETURN NULL;
     END IF;
-    -- A statement of its own, so that its snapshot is taken under the lock.
-    IF coalesce((SELECT c.has_policy FROM channel c WHERE c.name = v_busy), FALSE) THEN
+    -- A statement of its own, so that its snapshot is taken under the lock; with where the
+    -- row says the channel's waiting messages begin. Under the shared advisory lock that mark
+    -- only moves down (a writer makes a message wait before it): one that moves after this
+    -- read is passed by this take only, as it would be by a take that began a moment sooner.
+    SELECT c.has_policy, c.head_at, c.head_id INTO v_policy, v_head_at, v_head_id
+    FROM channel c WHERE c.name = v_busy;
+    IF NOT FOUND OR v_policy THEN
         RETURN NULL;
     END IF;
     UPDATE message m SET
@@ -213,11 +221,7 @@ BEGIN
         SELECT h.id FROM message h
         WHERE channel_hash(h.channel) = channel_hash(v_busy)
           AND h.channel = v_busy AND NOT h.is_locked
-          -- Where its row says its waiting messages begin, read in this statement's snapshot
-          -- (two scalar reads keep the probe one ordered index scan).
-          AND (h.dequeue_at, h.id) >= (
-              (SELECT b.head_at FROM channel b WHERE b.name = v_busy),
-              (SELECT b.head_id FROM channel b WHERE b.name = v_busy))
+          AND (h.dequeue_at, h.id) >= (v_head_at, v_head_id)
           AND h.dequeue_at <= v_now
         ORDER BY h.dequeue_at, h.id
         LIMIT 1
