@@ -862,7 +862,10 @@ def _rescans_an_array(node: dict[str, Any]) -> bool:
 RIDE_CHANNELS = 2_000
 RIDE_LIMIT = 300
 # Step 2b: a batch riding along, in one statement, on several busy channels.
-RIDE_MANY = "unnest(v_ride) WITH ORDINALITY AS f(name, ord) JOIN channel b ON b.name = f.name"
+RIDE_MANY = (
+    "unnest(v_ride, v_ride_at, v_ride_id) WITH ORDINALITY AS f(name, head_at, head_id, ord)"
+    " CROSS JOIN LATERAL"
+)
 
 
 def test_a_batch_riding_along_on_many_channels_counts_each_once(

@@ -293,6 +293,11 @@ DECLARE
     v_extra INTEGER;
     v_rows INTEGER;
     v_ride TEXT[];
+    v_ride_at BIGINT[];
+    v_ride_id BIGINT[];
+    v_policy BOOLEAN;
+    v_head_at BIGINT;
+    v_head_id BIGINT;
     v_ride_more BOOLEAN := TRUE;
     v_rows_held BOOLEAN := FALSE;
     v_reserved INTEGER := 0;
@@ -300,6 +305,8 @@ DECLARE
     v_budget INTEGER;
     v_batch message[];
     v_keep TEXT[] := ARRAY[]::TEXT[];
+    v_keep_at BIGINT[] := ARRAY[]::BIGINT[];
+    v_keep_id BIGINT[] := ARRAY[]::BIGINT[];
     v_short TEXT[];
 BEGIN
     IF NOT coalesce(p_limit BETWEEN 1 AND 10000 AND p_lock_ms BETWEEN 1 AND 604800000, FALSE)
@@ -463,6 +470,8 @@ BEGIN
                     -- The channels of the last round that gave their whole share (they may
                     -- have more): already locked, so no new probes.
                     v_ride := v_keep;
+                    v_ride_at := v_keep_at;
+                    v_ride_id := v_keep_id;
                 ELSE
                     v_ride := ARRAY(
                         SELECT c.name FROM channel c
@@ -486,12 +495,15 @@ BEGIN
                         -- sees any policy set before them: such a channel is left to the steps
                         -- below, which serve it under its row. (Filtered here, not beside the
                         -- heads' FOR UPDATE, which the planner may run first: heads locked,
-                        -- then left.)
-                        v_ride := ARRAY(
-                            SELECT r.name FROM unnest(v_ride) WITH ORDINALITY AS r(name, ord)
-                            WHERE NOT EXISTS (
-                                SELECT FROM channel p WHERE p.name = r.name AND p.has_policy)
-                            ORDER BY r.ord);
+                        -- then left.) With where each one's waiting messages begin, as the
+                        -- one-channel ride-along reads it.
+                        SELECT coalesce(array_agg(r.name ORDER BY r.ord), ARRAY[]::TEXT[]),
+                               coalesce(array_agg(p.head_at ORDER BY r.ord), ARRAY[]::BIGINT[]),
+                               coalesce(array_agg(p.head_id ORDER BY r.ord), ARRAY[]::BIGINT[])
+                        INTO v_ride, v_ride_at, v_ride_id
+                        FROM unnest(v_ride) WITH ORDINALITY AS r(name, ord)
+                        JOIN channel p ON p.name = r.name
+                        WHERE NOT p.has_policy;
                     END IF;
                 END IF;
                 IF cardinality(v_ride) >= 2 THEN
@@ -499,15 +511,15 @@ BEGIN
                     v_extra := v_budget % cardinality(v_ride);
                     WITH picked AS (
                         SELECT h.id, f.ord, h.rn
-                        FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
-                        JOIN channel b ON b.name = f.name
+                        FROM unnest(v_ride, v_ride_at, v_ride_id)
+                            WITH ORDINALITY AS f(name, head_at, head_id, ord)
                         CROSS JOIN LATERAL (
                             SELECT x.id, row_number() OVER () AS rn
                             FROM (
                                 SELECT m.id FROM message m
-                                WHERE channel_hash(m.channel) = channel_hash(b.name)
-                                  AND m.channel = b.name AND NOT m.is_locked
-                                  AND (m.dequeue_at, m.id) >= (b.head_at, b.head_id)
+                                WHERE channel_hash(m.channel) = channel_hash(f.name)
+                                  AND m.channel = f.name AND NOT m.is_locked
+                                  AND (m.dequeue_at, m.id) >= (f.head_at, f.head_id)
                                   AND m.dequeue_at <= v_now
                                 ORDER BY m.dequeue_at, m.id
                                 LIMIT v_quota + CASE WHEN f.ord <= v_extra THEN 1 ELSE 0 END
@@ -530,11 +542,14 @@ BEGIN
                         -- What each ridden channel gave (every head it picked is taken), by
                         -- one grouping of its heads beside a row for the channel itself: no
                         -- join, so n log n in any plan.
-                        SELECT k.ord, max(k.name) AS name, count(k.id) AS gave
-                        FROM (SELECT f.ord, f.name, NULL::BIGINT AS id
-                              FROM unnest(v_ride) WITH ORDINALITY AS f(name, ord)
+                        SELECT k.ord, max(k.name) AS name, max(k.head_at) AS head_at,
+                               max(k.head_id) AS head_id, count(k.id) AS gave
+                        FROM (SELECT f.ord, f.name, f.head_at, f.head_id, NULL::BIGINT AS id
+                              FROM unnest(v_ride, v_ride_at, v_ride_id)
+                                  WITH ORDINALITY AS f(name, head_at, head_id, ord)
                               UNION ALL
-                              SELECT p.ord, NULL::TEXT, p.id FROM picked p) k
+                              SELECT p.ord, NULL::TEXT, NULL::BIGINT, NULL::BIGINT, p.id
+                              FROM picked p) k
                         GROUP BY k.ord
                     )
                     SELECT coalesce(
@@ -545,8 +560,14 @@ BEGIN
                             WHERE y.gave < v_quota + CASE WHEN y.ord <= v_extra THEN 1 ELSE 0 END),
                            (SELECT coalesce(array_agg(y.name ORDER BY y.ord), ARRAY[]::TEXT[])
                             FROM tally y
+                            WHERE y.gave >= v_quota + CASE WHEN y.ord <= v_extra THEN 1 ELSE 0 END),
+                           (SELECT coalesce(array_agg(y.head_at ORDER BY y.ord), ARRAY[]::BIGINT[])
+                            FROM tally y
+                            WHERE y.gave >= v_quota + CASE WHEN y.ord <= v_extra THEN 1 ELSE 0 END),
+                           (SELECT coalesce(array_agg(y.head_id ORDER BY y.ord), ARRAY[]::BIGINT[])
+                            FROM tally y
                             WHERE y.gave >= v_quota + CASE WHEN y.ord <= v_extra THEN 1 ELSE 0 END)
-                    INTO v_batch, v_short, v_keep
+                    INTO v_batch, v_short, v_keep, v_keep_at, v_keep_id
                     FROM taken t CROSS JOIN wanted w;
                     RETURN QUERY
                         SELECT b.id, b.channel, b.content, b.state, b.num_attempts,
@@ -592,9 +613,11 @@ BEGIN
                     v_passed := v_passed || v_busy;
                     CONTINUE;
                 END IF;
-                IF NOT coalesce(
-                        (SELECT c.has_policy FROM channel c WHERE c.name = v_busy), FALSE)
-                THEN
+                -- With where its row says its waiting messages begin, in the same look-up
+                -- (as take_one's ride-along reads them).
+                SELECT c.has_policy, c.head_at, c.head_id INTO v_policy, v_head_at, v_head_id
+                FROM channel c WHERE c.name = v_busy;
+                IF NOT coalesce(v_policy, FALSE) THEN
                     RETURN QUERY
                         WITH taken AS (
                             UPDATE message m SET
@@ -606,10 +629,7 @@ BEGIN
                                 SELECT h.id FROM message h
                                 WHERE channel_hash(h.channel) = channel_hash(v_busy)
                                   AND h.channel = v_busy AND NOT h.is_locked
-                                  -- As take_one's ride-along reads it.
-                                  AND (h.dequeue_at, h.id) >= (
-                                      (SELECT b.head_at FROM channel b WHERE b.name = v_busy),
-                                      (SELECT b.head_id FROM channel b WHERE b.name = v_busy))
+                                  AND (h.dequeue_at, h.id) >= (v_head_at, v_head_id)
                                   AND h.dequeue_at <= v_now
                                 ORDER BY h.dequeue_at, h.id
                                 LIMIT p_limit - v_taken
