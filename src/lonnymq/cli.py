@@ -399,8 +399,10 @@ def _parser() -> argparse.ArgumentParser:
         "--holders",
         choices=("idle", "reader", "spark", "idle,reader", "idle,reader,spark"),
         default="idle,reader",
-        help="with --long-txn: a session idle in a transaction, a long SELECT running, a Spark "
-        "job reading a queue of 10^6 messages in one snapshot, or one after the other",
+        metavar="HOLDERS",
+        help="with --long-txn: idle (a session idle in a transaction), reader (a long SELECT "
+        "running), spark (a Spark job reading a queue of 10^6 messages in one snapshot), or "
+        "one after the other: idle,reader (the default) or idle,reader,spark",
     )
     bench.add_argument(
         "--rate",
