@@ -93,6 +93,24 @@ def test_a_take_moves_the_mark_to_the_first_waiting_message(queue: Queue, admin:
     assert queue.verify() == []
 
 
+def test_a_batch_over_several_channels_moves_each_ones_mark(queue: Queue, admin: Conn) -> None:
+    """A batch take serves its channels together and moves each one's mark in the statement
+    that sends them to the back: to the first message each still has waiting."""
+    names = ("a", "b", "c")
+    ids = {name: fill(queue, name, 3) for name in names}
+    before = {name: mark(admin, queue, name) for name in names}
+    skip_ids(admin, queue)
+    taken = take(queue, len(names))
+    assert sorted(m.id for m in taken) == sorted(ids[name][0] for name in names)
+    for name in names:
+        assert mark(admin, queue, name) == first_waiting(admin, queue, name)
+        assert mark(admin, queue, name) != before[name]
+    assert queue.verify() == []
+    # What the marks now pass over is taken; the rest comes out in order.
+    rest = take(queue, 10)
+    assert sorted(m.id for m in rest) == sorted(i for name in names for i in ids[name][1:])
+
+
 def test_a_message_created_before_the_mark_is_taken_first(queue: Queue, admin: Conn) -> None:
     fill(queue, "c", STEP + 100)
     take(queue, 10)

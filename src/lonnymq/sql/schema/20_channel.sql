@@ -151,45 +151,62 @@ AS $$
 $$;
 
 
--- channel_head_advance(): after a take from the channels p_rows (their rows as the caller holds
--- them, locked), move where each one's waiting messages begin up to its first waiting message.
--- Only in a take of message_settle (a worker's group commit, which ends its transaction at
--- once): the exclusive advisory lock it takes is held to commit, and while it is, riders pass
--- the channel and creators in it wait, so a dequeue in a long transaction of its own never
--- takes it. Only in a READ COMMITTED transaction (the statement that reads the first message
--- must see what committed before the lock); those conditions are read once for all the rows.
--- Then only for a row whose mark was set 1,000 ids or more ago (so that a probe's walk over
--- the entries of the messages taken since stays short, while the lock is tried rarely), and
--- whose channel's exclusive advisory lock can be had at once (the rules at the top of this
--- file). When nothing waits, the mark stays.
+-- channel_head_lock(): which of the channels p_rows (their rows as the caller holds them,
+-- locked), from which it has just taken, may have where their waiting messages begin moved up
+-- by this take; the caller moves them, in a statement run after this call (its snapshot then
+-- sees what committed before the locks). Only in a take of message_settle (a worker's group
+-- commit, which ends its transaction at once): the exclusive advisory lock it takes is held to
+-- commit, and while it is, riders pass the channel and creators in it wait, so a dequeue in a
+-- long transaction of its own never takes it. Only in a READ COMMITTED transaction (the
+-- statement that reads the first message must see what committed before the lock); those
+-- conditions are read once for all the rows. Then only for a row whose mark was set 1,000 ids
+-- or more ago (so that a probe's walk over the entries of the messages taken since stays short,
+-- while the lock is tried rarely), and whose channel's exclusive advisory lock can be had at
+-- once (the rules at the top of this file). Returns their names (none: an empty array).
 -- Locks: tries the channels' exclusive advisory locks, held to commit when granted.
 -- Raises: nothing of ours.
-CREATE OR REPLACE FUNCTION channel_head_advance(p_rows channel[]) RETURNS VOID
+CREATE OR REPLACE FUNCTION channel_head_lock(p_rows channel[]) RETURNS TEXT[]
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
 SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
 AS $$
 DECLARE
     v_last BIGINT;
-    v_locked channel[];
 BEGIN
     IF current_setting('lonnymq.head_advance', TRUE) IS DISTINCT FROM 'on'
        OR current_setting('transaction_isolation') <> 'read committed' THEN
-        RETURN;
+        RETURN ARRAY[]::TEXT[];
     END IF;
     v_last := (SELECT s.last_value FROM message_id_seq s);
-    v_locked := ARRAY(
-        SELECT r FROM unnest(p_rows) AS r
+    RETURN ARRAY(
+        SELECT r.name FROM unnest(p_rows) AS r
         WHERE v_last - r.head_id >= 1000
           AND pg_try_advisory_xact_lock(channel_key(r.name)));
-    IF cardinality(v_locked) = 0 THEN
+END;
+$$;
+
+
+-- channel_head_advance(): after a take from the channels p_rows (their rows as the caller holds
+-- them, locked), move where each one's waiting messages begin up to its first waiting message,
+-- for those channel_head_lock picks. When nothing waits, the mark stays. (A batch take moves
+-- them in the statement that sends its channels to the back instead: message_dequeue_loop.)
+-- Locks: as channel_head_lock. Raises: nothing of ours.
+CREATE OR REPLACE FUNCTION channel_head_advance(p_rows channel[]) RETURNS VOID
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_bitmapscan = off SET enable_seqscan = off SET jit = off
+AS $$
+DECLARE
+    v_names TEXT[] := channel_head_lock(p_rows);
+BEGIN
+    IF cardinality(v_names) = 0 THEN
         RETURN;
     END IF;
     -- A statement of its own after the locks, so that its snapshot sees what committed before.
     UPDATE channel c SET head_at = f.dequeue_at, head_id = f.id
-    FROM unnest(v_locked) AS r
+    FROM unnest(p_rows) AS r
     CROSS JOIN LATERAL channel_first_from(r.name, r.head_at, r.head_id) f
-    WHERE c.name = r.name;
+    WHERE c.name = r.name AND r.name = ANY (v_names);
 END;
 $$;
 

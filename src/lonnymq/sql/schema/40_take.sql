@@ -305,6 +305,7 @@ DECLARE
     v_budget INTEGER;
     v_batch message[];
     v_keep TEXT[] := ARRAY[]::TEXT[];
+    v_advance TEXT[] := ARRAY[]::TEXT[];
     v_keep_at BIGINT[] := ARRAY[]::BIGINT[];
     v_keep_id BIGINT[] := ARRAY[]::BIGINT[];
     v_short TEXT[];
@@ -412,28 +413,42 @@ BEGIN
                     -- statement (new turns in the order they were served), the rest one by
                     -- one (channel_rotate may push them ahead or delete their rows).
                     -- (Every row held: one this batch took nothing from moves only if it can.)
+                    -- In a worker's group commit, the channels whose marks may move up
+                    -- (channel_head_lock) have them moved in the same statement, to the next
+                    -- head it reads after the locks: one write of each row, not two. (Those
+                    -- left to channel_rotate keep theirs until they are served again.)
                     IF current_setting('lonnymq.head_advance', TRUE) = 'on' THEN
-                        PERFORM channel_head_advance(v_due);
+                        v_advance := channel_head_lock(ARRAY(
+                            SELECT d FROM unnest(v_due) AS d WHERE d.name = ANY (v_free)));
                     END IF;
                     -- (Each next head read as channel_first_from reads it, written out: a
                     -- call per channel would be planned anew for each.)
                     WITH next_heads AS (
-                        SELECT f.name, f.ord, f.head_at, f.head_id,
-                               (SELECT greatest(s.dequeue_at, v_now) FROM message s
-                                WHERE channel_hash(s.channel) = channel_hash(f.name)
-                                  AND s.channel = f.name AND NOT s.is_locked
-                                  AND (s.dequeue_at, s.id) >= (f.head_at, f.head_id)
-                                ORDER BY s.dequeue_at, s.id
-                                LIMIT 1) AS next_at
+                        -- (NULL when nothing waits: greatest() would pass over a NULL.)
+                        SELECT f.name, f.ord, f.head_at, f.head_id, n.dequeue_at AS first_at,
+                               n.id AS first_id,
+                               CASE WHEN n.id IS NOT NULL THEN greatest(n.dequeue_at, v_now)
+                               END AS next_at
                         FROM unnest(v_free, v_free_at, v_free_id)
                             WITH ORDINALITY AS f(name, head_at, head_id, ord)
+                        LEFT JOIN LATERAL (
+                            SELECT s.dequeue_at, s.id FROM message s
+                            WHERE channel_hash(s.channel) = channel_hash(f.name)
+                              AND s.channel = f.name AND NOT s.is_locked
+                              AND (s.dequeue_at, s.id) >= (f.head_at, f.head_id)
+                            ORDER BY s.dequeue_at, s.id
+                            LIMIT 1) n ON TRUE
                     ), turns AS (
-                        SELECT n.name, n.next_at, nextval('channel_turn_seq') AS turn
-                        FROM (SELECT h.name, h.next_at FROM next_heads h
+                        SELECT n.name, n.next_at, n.first_at, n.first_id,
+                               n.name = ANY (v_advance) AS advance,
+                               nextval('channel_turn_seq') AS turn
+                        FROM (SELECT h.name, h.next_at, h.first_at, h.first_id FROM next_heads h
                               WHERE h.next_at <= v_now ORDER BY h.ord) n
                     ), rotated AS (
                         UPDATE channel c SET
-                            next_dequeue_at = t.next_at, turn = t.turn, last_dequeue_at = v_now
+                            next_dequeue_at = t.next_at, turn = t.turn, last_dequeue_at = v_now,
+                            head_at = CASE WHEN t.advance THEN t.first_at ELSE c.head_at END,
+                            head_id = CASE WHEN t.advance THEN t.first_id ELSE c.head_id END
                         FROM turns t
                         WHERE c.name = t.name
                         RETURNING c.name
