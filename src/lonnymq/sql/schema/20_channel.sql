@@ -31,13 +31,14 @@
 --   message gets a mark a second below it, (dequeue_at - 1000, id): a creator whose
 --   transaction began up to a second earlier (its messages stamped with that start) then has
 --   nothing to bring down, where bringing it down would lock the row, and wait for every
---   take holding it. (The id stays the message's: channel_head_advance counts from it.)
+--   take holding it. (The id stays the message's: channel_head_lock counts from it.)
 -- - Only a take that holds the row and the channel's exclusive advisory lock moves them up
---   (channel_head_advance, in a worker's message_settle): with that lock no such writer is in
---   flight (each holds the shared lock or waits for the row), so a statement run after it
---   sees every waiting message. It
---   reads messages that riders have locked but not committed as waiting, so a rider that
---   rolls back leaves nothing behind the head.
+--   (channel_head_lock picks the channels, in a worker's message_settle; a batch moves their
+--   marks as it sends them to the back, channel_head_advance otherwise): with that lock no
+--   such writer is in flight (each holds the shared lock or waits for the row), so a
+--   statement run after it sees every waiting message. It reads messages that riders have
+--   locked but not committed as waiting, so a rider that rolls back leaves nothing behind the
+--   head.
 -- A probe reads (head_at, head_id) from the row it holds, in the same statement (the same
 -- snapshot) as the messages, or, riding along, under the channel's shared advisory lock, which
 -- keeps the mark from moving up: a mark brought down after that read makes this take pass the
