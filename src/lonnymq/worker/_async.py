@@ -85,7 +85,6 @@ class AsyncWorker:
         maintenance_ms: int | None = 1_000,
         flush_ms: int = 2,
         batch_size: int = 100,
-        flushes: int = 2,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         if not isinstance(queue, AsyncQueue):
@@ -106,7 +105,6 @@ class AsyncWorker:
             maintenance_ms=maintenance_ms,
             flush_ms=flush_ms,
             batch_size=batch_size,
-            flushes=flushes,
         )
         self.queue = queue
         self.handler = handler
@@ -119,9 +117,7 @@ class AsyncWorker:
         # run() is kept, one left over from the previous run is not.
         self._stops = 0
         self._stops_seen = 0
-        # Set by every change a sleeping lane acts on: one event per lane, so that a lane that
-        # wakes and clears its own cannot swallow another's wake-up.
-        self._wake = _Wakes(self.options.flushes)
+        self._wake = asyncio.Event()
         # Every run until its outcome is reported, keyed by itself: a handler that yielded
         # (deferred to now) may still be reporting when its message is taken again.
         self._running: dict[_Run, None] = {}
@@ -130,8 +126,6 @@ class AsyncWorker:
         self._rng = random.Random()
         self._clock_offset_ms = 0
         self._threads: _HandlerThreads | None = None
-        self._asked = 0  # free slots asked for by the flushes in flight
-        self._lanes_end = False
 
     def stop(self) -> None:
         """Ask the worker to stop (call it from the worker's event loop). Asked before
@@ -195,85 +189,46 @@ class AsyncWorker:
     def _db_now(self) -> int:
         return int(time.time() * 1000) + self._clock_offset_ms
 
-    async def _sleep(self, seconds: float, lane: int = 0) -> None:
+    async def _sleep(self, seconds: float) -> None:
         """Sleep until woken (event, finished handler, stop) or ``seconds`` pass."""
-        wake = self._wake.events[lane]
-        if not wake.is_set():
+        if not self._wake.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), seconds)
-        wake.clear()
+                await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
 
     async def _loop(self, until_idle: bool) -> None:
         """Report the outcomes of the handlers that returned and take a message for every free
-        slot, in one call (``queue.settle``) per flush, with up to ``flushes`` calls in flight
-        on connections of their own; sleep when there is nothing to do."""
-        if not await self._sample_clock():
-            return
-        self._lanes_end = False
-        lanes = [
-            asyncio.create_task(self._lane(i, until_idle=until_idle))
-            for i in range(self.options.flushes)
-        ]
-        try:
-            await asyncio.wait(lanes, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            for lane in lanes:
-                lane.cancel()
-            raise
-        finally:
-            # One lane ended (the worker stops, or the queue is idle): so do the others, once
-            # their call in flight, if any, has returned and its messages are known.
-            self._lanes_end = True
-            self._wake.set()
-            results = await asyncio.gather(*lanes, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-
-    async def _sample_clock(self) -> bool:
-        """Measure the database clock against the local one, so that sleeps follow the
-        queue's clock; ``False`` if the worker was stopped first."""
-        failures = 0
-        samples: list[tuple[float, int, float]] = []
-        while len(samples) < _policy.CLOCK_SAMPLES:
-            if self._stopping.is_set():
-                return False
-            try:
-                sent = time.time()
-                db_ms = await self.queue.now()
-                samples.append((sent, db_ms, time.time()))
-            except DatabaseError as err:
-                failures += 1
-                await self._after_failure("dequeue", err, failures)
-                continue
-            self._clock_offset_ms = _policy.clock_offset(samples)
-        return True
-
-    async def _lane(self, lane: int, *, until_idle: bool) -> None:
-        """One flush at a time, sleeping in between. The first lane also takes messages when
-        no outcome waits (and watches for the queue going idle); the others flush only for
-        waiting outcomes, while another call is in flight."""
-        first = lane == 0
+        slot, in one call (``queue.settle``) per flush; sleep when there is nothing to do."""
         failures = 0
         empties = 0  # empty answers in a row that said "due now"
         sleep_s: float | None = None  # after an empty take: how long to sleep unless woken
-        while not self._stopping.is_set() and not self._lanes_end:
-            free = self._free()
+        samples: list[tuple[float, int, float]] = []
+        while not self._stopping.is_set():
+            if len(samples) < _policy.CLOCK_SAMPLES:
+                # Database clock minus local clock, so that sleeps follow the queue's clock.
+                try:
+                    sent = time.time()
+                    db_ms = await self.queue.now()
+                    samples.append((sent, db_ms, time.time()))
+                except DatabaseError as err:
+                    failures += 1
+                    await self._after_failure("dequeue", err, failures)
+                    continue
+                self._clock_offset_ms = _policy.clock_offset(samples)
+                continue
+            free = self.options.concurrency - len(self._running) + len(self._pending)
             wait = self._pending.wait_s(
                 time.monotonic(), len(self._running) - len(self._pending), self.options
             )
-            if wait is None and (free <= 0 or sleep_s is not None or not first):
-                await self._sleep(
-                    self.options.idle_ms / 1000 if free <= 0 or not first else sleep_s or 0.0,
-                    lane,
-                )
+            if wait is None and (free <= 0 or sleep_s is not None):
+                await self._sleep(self.options.idle_ms / 1000 if free <= 0 else sleep_s or 0.0)
                 sleep_s = None
                 continue
             if wait is not None and wait > 0:
-                await self._sleep(wait, lane)
+                await self._sleep(wait)
                 continue
             try:
-                batch = await self._flush(take=True)
+                batch = await self._flush(free)
                 failures = 0
             except DatabaseError as err:
                 failures += 1
@@ -282,14 +237,7 @@ class AsyncWorker:
             if batch.messages:
                 empties = 0
                 continue
-            if not first:
-                continue
-            if (
-                until_idle
-                and not self._running
-                and not self._asked
-                and await self._idle(batch.retry_at)
-            ):
+            if until_idle and not self._running and await self._idle(batch.retry_at):
                 return
             wait_ms, empties = _policy.sleep_ms(
                 batch.retry_at, self._db_now(), self.options.idle_ms, empties
@@ -309,26 +257,11 @@ class AsyncWorker:
             return True
         return _policy.only_schedules_left(await self.queue.stats())
 
-    def _free(self) -> int:
-        """Free slots once the waiting outcomes are reported, less those a flush in flight
-        has asked for."""
-        return self.options.concurrency - len(self._running) + len(self._pending) - self._asked
-
-    async def _flush(self, *, take: bool) -> DequeueBatch[AsyncMessage]:
+    async def _flush(self, limit: int) -> DequeueBatch[AsyncMessage]:
         """As ``Worker._flush``: one call reports waiting outcomes and takes new messages."""
-        # Counted and asked for at once (no await in between): to another lane, these slots
-        # are taken until the messages run.
-        limit = max(self._free(), 0) if take and not self._stopping.is_set() else 0
-        self._asked += limit
         reports = self._pending.take(self.options.batch_size, time.monotonic())
-        try:
-            return await self._settle(reports, limit)
-        finally:
-            self._asked -= limit
-
-    async def _settle(
-        self, reports: list[_policy.Report[_Run, AsyncMessage]], limit: int
-    ) -> DequeueBatch[AsyncMessage]:
+        if self._stopping.is_set():
+            limit = 0
         outcomes = [r.outcome for r in reports]
         started = time.monotonic()
         for attempt in itertools.count(1):
@@ -603,7 +536,7 @@ class AsyncWorker:
                 time.monotonic(), len(self._running) - len(self._pending), self.options
             )
             if wait is not None and wait <= 0:
-                await self._flush(take=False)
+                await self._flush(0)
                 continue
             until_grace = self._stopped_at + self.options.grace_s - time.monotonic()
             await self._sleep(max(0.0, until_grace if wait is None else min(wait, until_grace)))
@@ -622,18 +555,7 @@ class AsyncWorker:
             )
         deadline = time.monotonic() + REPORT_WAIT_S
         while self._pending and time.monotonic() < deadline:
-            await self._flush(take=False)
-
-
-class _Wakes:
-    """One event per lane of the settle loop; :meth:`set` sets them all."""
-
-    def __init__(self, lanes: int) -> None:
-        self.events = [asyncio.Event() for _ in range(lanes)]
-
-    def set(self) -> None:
-        for event in self.events:
-            event.set()
+            await self._flush(0)
 
 
 class _HandlerThreads:

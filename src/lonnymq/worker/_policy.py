@@ -29,7 +29,6 @@ MAX_DELAY_MS = 10**12  # about 31 years: a longer retry delay is a mistake
 MAX_WAIT_MS = 7 * 24 * 3600 * 1000  # the longest lock the queue grants; also caps idle and grace
 MAX_CONCURRENCY = 10_000  # the most messages one dequeue can return
 MAX_FLUSH_MS = 10_000  # an outcome reported later than this is a mistake
-MAX_FLUSHES = 8  # settle calls in flight at once: each holds a pooled connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +116,6 @@ class WorkerOptions:
     maintenance_ms: int | None = 1_000
     flush_ms: int = 2
     batch_size: int = 100
-    flushes: int = 2
 
     @classmethod
     def check(
@@ -134,7 +132,6 @@ class WorkerOptions:
         maintenance_ms: object = 1_000,
         flush_ms: object = 2,
         batch_size: object = 100,
-        flushes: object = 2,
     ) -> WorkerOptions:
         """Validate the options; a bad one raises :class:`InvalidArgumentError`."""
         for name, value, low, high in (
@@ -144,7 +141,6 @@ class WorkerOptions:
             ("idle_ms", idle_ms, 1, MAX_WAIT_MS),
             ("flush_ms", flush_ms, 0, MAX_FLUSH_MS),
             ("batch_size", batch_size, 1, MAX_CONCURRENCY),
-            ("flushes", flushes, 1, MAX_FLUSHES),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise InvalidArgumentError(
@@ -194,7 +190,6 @@ class WorkerOptions:
             maintenance_ms=maintenance_ms,
             flush_ms=flush_ms,  # type: ignore[arg-type]
             batch_size=batch_size,  # type: ignore[arg-type]
-            flushes=flushes,  # type: ignore[arg-type]
         )
 
 
