@@ -1,6 +1,7 @@
 """One group-commit call, alone: lonnymq's ``settle`` against the durable floor's statement.
 
     python benchmarks/settle_call.py [--dsn DSN] [--batch 64] [--calls 400] [--reps 2]
+                                     [--parallel 1]
 
 Each call reports ``--batch`` messages held (finished) and takes as many new ones, in one
 transaction on one connection, with nothing else running: the durable floor's cycle (the
@@ -8,12 +9,17 @@ statement of ``lonnymq.bench_worker``), then ``Queue.settle`` over one channel a
 channels, in turns, ``--reps`` times. The backlog is made before the timed calls, so no
 producer shares the server. Prints each call's median time and its ratio to the floor's: what
 the worker shape's ratio could reach if its handlers and its producer cost nothing.
+
+With ``--parallel N``, N connections run the calls over 100 channels at once (each its own
+loop, in a thread of its own), after the same call on one connection: whether the server slows
+calls that overlap, and the messages per second of all of them together.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,32 +63,47 @@ def floor_call(dsn: str, raw: str, batch: int, calls: int) -> float:
     return statistics.median(timings)
 
 
-def settle_call(dsn: str, schema: str, channels: int, batch: int, calls: int) -> float:
+def settle_call(
+    dsn: str, schema: str, channels: int, batch: int, calls: int, *, parallel: int = 1
+) -> tuple[float, float]:
     """Median seconds of ``Queue.settle``, ``batch`` completed and ``batch`` taken, over
-    ``channels`` channels."""
-    with Queue(dsn, schema=schema, pool_size=1) as queue:
+    ``channels`` channels, on ``parallel`` connections at once; and the messages taken per
+    second by all of them together."""
+    with Queue(dsn, schema=schema, pool_size=parallel) as queue:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
                 sql.SQL("TRUNCATE {}, {}").format(
                     sql.Identifier(schema, "message"), sql.Identifier(schema, "channel")
                 )
             )
-        total = batch * (calls + 2)
+        total = batch * (calls + 2) * parallel
         for start in range(0, total, 50_000):
             queue.create_many(
                 NewMessage(b"\x01" * 8, channel=f"c{i % channels}")
                 for i in range(start, min(total, start + 50_000))
             )
         queue.maintain()
-        held = queue.settle([], batch, lock_ms=60_000).messages
-        timings = []
-        for _ in range(calls):
-            outcomes = [Outcome.complete(m) for m in held]
-            began = time.perf_counter()
-            held = queue.settle(outcomes, batch, lock_ms=60_000).messages
-            timings.append(time.perf_counter() - began)
-            assert len(held) == batch
-    return statistics.median(timings)
+        timings: list[float] = []
+
+        def loop() -> None:
+            held = queue.settle([], batch, lock_ms=60_000).messages
+            for _ in range(calls):
+                outcomes = [Outcome.complete(m) for m in held]
+                began = time.perf_counter()
+                held = queue.settle(outcomes, batch, lock_ms=60_000).messages
+                timings.append(time.perf_counter() - began)  # (list.append is atomic)
+                assert len(held) == batch
+
+        threads = [threading.Thread(target=loop) for _ in range(parallel)]
+        began = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - began
+    if len(timings) != calls * parallel:
+        raise RuntimeError("a settle loop failed (see its traceback above)")
+    return statistics.median(timings), calls * parallel * batch / elapsed
 
 
 def main() -> None:
@@ -91,6 +112,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--parallel", type=int, default=1)
     args = parser.parse_args()
     run = bench.Bench(args.dsn, bench.PROFILES["default"], Path("."), print)
     try:
@@ -99,11 +121,23 @@ def main() -> None:
             floor = floor_call(args.dsn, run.raw_schema, args.batch, args.calls)
             print(f"rep {rep}: durable floor {1000 * floor:.2f} ms a call")
             for channels in (1, 100):
-                took = settle_call(args.dsn, run.schema, channels, args.batch, args.calls)
+                took, _ = settle_call(args.dsn, run.schema, channels, args.batch, args.calls)
                 print(
                     f"rep {rep}: settle over {channels:>3} channel(s) {1000 * took:.2f} ms a call, "
                     f"{floor / took:.2f}x the floor's rate"
                 )
+            if args.parallel > 1:
+                rates = []
+                for parallel in (1, args.parallel):
+                    took, rate = settle_call(
+                        args.dsn, run.schema, 100, args.batch, args.calls, parallel=parallel
+                    )
+                    rates.append(rate)
+                    print(
+                        f"rep {rep}: settle over 100 channels on {parallel} connection(s) at "
+                        f"once {1000 * took:.2f} ms a call, {rate:,.0f} msg/s in all"
+                    )
+                print(f"rep {rep}: {args.parallel} at once: {rates[1] / rates[0]:.2f}x the rate")
     finally:
         run.close()
 
