@@ -18,6 +18,7 @@ calls that overlap, and the messages per second of all of them together.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -108,12 +109,14 @@ def settle_call(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--dsn", default=os.environ.get("LONNYMQ_DSN"))
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=1)
     args = parser.parse_args()
+    if not args.dsn:
+        parser.error("--dsn (or LONNYMQ_DSN) is required")
     run = bench.Bench(args.dsn, bench.PROFILES["default"], Path("."), print)
     try:
         run.reset()
