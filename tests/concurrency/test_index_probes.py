@@ -12,8 +12,8 @@ assert that:
   ``STEPS`` with its index), each uses its index (``message_unlock_ix``, ``channel_ready_ix``,
   ``message_channel_head_ix``, the primary keys) and the steps the shape needs all ran: the
   policy path (``update_channel``), sending a channel without a policy to the back
-  (``turn_back``, and ``channel_rotate`` once a channel is drained), and the ride-along path
-  when another session holds the channel's row;
+  (``turn_back``, and ``channel_rotate`` once a channel is drained, ``channel_rotate_many``
+  for a batch's), and the ride-along path when another session holds the channel's row;
 - the dequeues returned exactly the messages a plain (slow, obviously right) query names;
 - the plans hold both for the custom plans of the first executions and for generic plans.
 
@@ -113,6 +113,15 @@ STEPS: dict[str, tuple[str, dict[str, frozenset[str]]]] = {
     # ... and those channels to the back, from their next waiting heads.
     "spread_turn_back": (
         "s.channel = f.name AND NOT s.is_locked",
+        {
+            "channel": frozenset({"channel_pkey"}),
+            "message": frozenset({"message_channel_head_ix"}),
+        },
+    ),
+    # ... and those of them it drained or whose next head is not due (channel_rotate_many):
+    # their next heads read again after their locks, their rows moved or deleted.
+    "spread_rotate": (
+        "s.channel = r.name AND NOT s.is_locked",
         {
             "channel": frozenset({"channel_pkey"}),
             "message": frozenset({"message_channel_head_ix"}),
@@ -300,7 +309,7 @@ SHAPES = [
         "many_channels",
         (_insert("'c' || g", dequeue_at="epoch() - 1000000 + g"),),
         "SELECT id FROM message ORDER BY dequeue_at, id",
-        HEAD_STEPS | ROTATE_STEPS,
+        HEAD_STEPS | ROTATE_STEPS | {"spread_rotate"},
     ),
     # (d) 10^5 messages whose locks expired: the oldest lock is recovered first.
     Shape(

@@ -6,10 +6,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from lonnymq import CreateStatus, InvalidArgumentError, NewMessage, Queue
 
 LOCK_MS = 60_000
+HOUR_MS = 3_600_000
 
 
 def drain(queue: Queue) -> list[bytes]:
@@ -207,6 +209,37 @@ def test_round_robin_with_plain_creates(queue: Queue) -> None:
     first_round = order[:3]
     assert sorted(first_round) == ["a", "b", "c"]
     assert order == first_round * 4
+
+
+def test_a_batch_sends_the_channels_it_drained_to_the_back_together(
+    queue: Queue, admin: psycopg.Connection[Any]
+) -> None:
+    """The channels a batch leaves with no due head (channel_rotate_many): a drained one's row
+    goes, one whose next message is scheduled waits for it, and the others are served on."""
+    now = queue.now()
+    queue.create(b"a0", channel="a")
+    queue.create(b"b0", channel="b")
+    queue.create(b"b1", channel="b", dequeue_at=now + HOUR_MS)
+    queue.create(b"c0", channel="c")
+    queue.create(b"c1", channel="c")
+    # (Locked for longer than b1 waits: retry_at is the sooner of the two.)
+    held = 2 * HOUR_MS
+    taken = queue.dequeue_many(3, lock_ms=held)
+    assert [m.content for m in taken] == [b"a0", b"b0", b"c0"]
+    rows = dict(
+        admin.execute(
+            sql.SQL("SELECT name, next_dequeue_at FROM {}.channel ORDER BY name").format(
+                sql.Identifier(queue.schema)
+            )
+        ).fetchall()
+    )
+    assert rows.keys() == {"b", "c"}
+    assert rows["b"] == now + HOUR_MS
+    assert rows["c"] <= queue.now()
+    after = queue.dequeue_batch(5, lock_ms=held)
+    assert [m.content for m in after.messages] == [b"c1"]
+    assert queue.dequeue_batch(5, lock_ms=held).retry_at == now + HOUR_MS
+    assert queue.verify() == []
 
 
 def test_busy_channel_does_not_starve_a_newcomer(queue: Queue) -> None:

@@ -410,13 +410,13 @@ BEGIN
                     GET DIAGNOSTICS v_rows = ROW_COUNT;
                     v_taken := v_taken + v_rows;
                     -- Send them to the back together: those whose next head is due in one
-                    -- statement (new turns in the order they were served), the rest one by
-                    -- one (channel_rotate may push them ahead or delete their rows).
+                    -- statement (new turns in the order they were served), then the rest
+                    -- (channel_rotate_many may push them ahead or delete their rows).
                     -- (Every row held: one this batch took nothing from moves only if it can.)
                     -- In a worker's group commit, the channels whose marks may move up
                     -- (channel_head_lock) have them moved in the same statement, to the next
                     -- head it reads after the locks: one write of each row, not two. (Those
-                    -- left to channel_rotate keep theirs until they are served again.)
+                    -- left to channel_rotate_many keep theirs until they are served again.)
                     IF current_setting('lonnymq.head_advance', TRUE) = 'on' THEN
                         v_advance := channel_head_lock(ARRAY(
                             SELECT d FROM unnest(v_due) AS d WHERE d.name = ANY (v_free)));
@@ -459,10 +459,9 @@ BEGIN
                     INTO v_rest, v_rest_at, v_rest_id
                     FROM next_heads h
                     WHERE h.name NOT IN (SELECT r.name FROM rotated r);
-                    PERFORM channel_rotate(r.name, r.head_at, r.head_id, v_now, TRUE)
-                    FROM unnest(v_rest, v_rest_at, v_rest_id)
-                        WITH ORDINALITY AS r(name, head_at, head_id, ord)
-                    ORDER BY r.ord;
+                    IF cardinality(v_rest) > 0 THEN
+                        PERFORM channel_rotate_many(v_rest, v_rest_at, v_rest_id, v_now);
+                    END IF;
                     CONTINUE;
                 END IF;
             END IF;
