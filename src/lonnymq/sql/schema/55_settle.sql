@@ -97,104 +97,115 @@ BEGIN
         FROM unnest(p_outcomes, p_channels) AS t(outcome, channel)
         WHERE t.outcome = 'dead_lettered';
     END IF;
-    v_status := array_fill(NULL::TEXT, ARRAY[v_count]);
+    IF v_count > 0 AND p_outcomes <@ ARRAY['completed'] THEN
+        -- Completes only (a worker's usual call): message_delete_many's rows are the statuses,
+        -- one per message, in input order.
+        RETURN QUERY
+            SELECT d.id, d.status, NULL::TEXT, NULL::BYTEA, NULL::BYTEA, NULL::INTEGER,
+                   NULL::BIGINT, NULL::BIGINT, NULL::BIGINT
+            FROM message_delete_many(p_ids, p_num_attempts) AS d;
+    ELSIF v_count > 0 THEN
+        v_status := array_fill(NULL::TEXT, ARRAY[v_count]);
 
-    -- Every lock the phases below may wait for, taken first and in one order: the messages
-    -- still held by these attempts in id order (as message_delete_many locks them), then their
-    -- channels' and the dead letters' target channels' shared advisory locks in name order,
-    -- then, in name order, the rows of those with a policy and of those a defer or a dead
-    -- letter writes. Taken phase by phase instead (completes, then defers, then failures one
-    -- by one), two settles could each hold a channel row the other waits for. A batch of
-    -- completes only, or of defers only, is left to its batch function, which takes its own.
-    IF NOT (p_outcomes <@ ARRAY['completed'] OR p_outcomes <@ ARRAY['deferred']) THEN
-        WITH held AS (
-            SELECT m.channel, t.outcome, t.target
-            FROM message m
-            JOIN unnest(p_ids, p_num_attempts, p_outcomes, p_channels)
-                AS t(id, num_attempts, outcome, target) ON t.id = m.id
-            WHERE m.unlock_at IS NOT NULL AND m.num_attempts = t.num_attempts
-            ORDER BY m.id
-            FOR UPDATE OF m
-        ), involved AS (
-            SELECT h.channel AS name, h.outcome = 'deferred' AS written FROM held h
-            UNION ALL
-            SELECT h.target, TRUE FROM held h WHERE h.outcome = 'dead_lettered'
-        )
-        SELECT array_agg(i.name ORDER BY i.name), array_agg(i.written ORDER BY i.name)
-        INTO v_names, v_written
-        FROM (SELECT v.name, bool_or(v.written) AS written FROM involved v GROUP BY v.name) i;
-        IF v_names IS NOT NULL THEN
-            PERFORM pg_advisory_xact_lock_shared(channel_key(u.name))
-            FROM unnest(v_names) WITH ORDINALITY AS u(name, ord)
-            ORDER BY u.ord;
-            -- A statement of its own, after the advisory locks: a policy set before them is
-            -- seen, and none can be set until this transaction ends.
-            PERFORM channel_lock(u.name)
-            FROM unnest(v_names, v_written) WITH ORDINALITY AS u(name, written, ord)
-            WHERE u.written OR EXISTS (SELECT FROM channel c WHERE c.name = u.name AND c.has_policy)
-            ORDER BY u.ord;
-        END IF;
-    END IF;
-
-    SELECT array_agg(t.ord ORDER BY t.ord), array_agg(p_ids[t.ord] ORDER BY t.ord),
-           array_agg(p_num_attempts[t.ord] ORDER BY t.ord)
-    INTO v_pick, v_ids, v_attempts
-    FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
-    WHERE t.outcome = 'completed';
-    IF v_pick IS NOT NULL THEN
-        FOR v_item IN
-            SELECT d.status, d.n FROM message_delete_many(v_ids, v_attempts)
-                WITH ORDINALITY AS d(id, status, n)
-        LOOP
-            v_status[v_pick[v_item.n]] := v_item.status;
-        END LOOP;
-    END IF;
-
-    SELECT array_agg(t.ord ORDER BY t.ord), array_agg(p_ids[t.ord] ORDER BY t.ord),
-           array_agg(p_num_attempts[t.ord] ORDER BY t.ord),
-           array_agg(p_dequeue_ats[t.ord] ORDER BY t.ord),
-           array_agg(p_states[t.ord] ORDER BY t.ord)
-    INTO v_pick, v_ids, v_attempts, v_dequeue_ats, v_states
-    FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
-    WHERE t.outcome = 'deferred';
-    IF v_pick IS NOT NULL THEN
-        FOR v_item IN
-            SELECT d.status, d.n
-            FROM message_defer_many(v_ids, v_attempts, v_dequeue_ats, v_states)
-                WITH ORDINALITY AS d(id, status, n)
-        LOOP
-            v_status[v_pick[v_item.n]] := v_item.status;
-        END LOOP;
-    END IF;
-
-    -- Failures and dead letters are rare: one message at a time.
-    FOR v_item IN
-        SELECT t.ord FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
-        WHERE t.outcome IN ('failed', 'dead_lettered') ORDER BY t.ord
-    LOOP
-        IF p_outcomes[v_item.ord] = 'dead_lettered' THEN
-            -- Held by this attempt (the row locked until the end), or refused below.
-            SELECT m.content INTO v_content FROM message m
-            WHERE m.id = p_ids[v_item.ord] AND m.unlock_at IS NOT NULL
-              AND m.num_attempts = p_num_attempts[v_item.ord]
-            FOR UPDATE;
-            IF FOUND THEN
-                SELECT c.status INTO v_created
-                FROM message_create(v_content, p_channels[v_item.ord]) AS c;
-                IF v_created = 'dropped' THEN
-                    v_status[v_item.ord] := 'full';
-                    CONTINUE;
-                END IF;
+        -- Every lock the phases below may wait for, taken first and in one order: the
+        -- messages still held by these attempts in id order (as message_delete_many locks
+        -- them), then their channels' and the dead letters' target channels' shared advisory
+        -- locks in name order, then, in name order, the rows of those with a policy and of
+        -- those a defer or a dead letter writes. Taken phase by phase instead (completes, then
+        -- defers, then failures one by one), two settles could each hold a channel row the
+        -- other waits for. A batch of defers only is left to message_defer_many, which takes
+        -- its own.
+        IF NOT p_outcomes <@ ARRAY['deferred'] THEN
+            WITH held AS (
+                SELECT m.channel, t.outcome, t.target
+                FROM message m
+                JOIN unnest(p_ids, p_num_attempts, p_outcomes, p_channels)
+                    AS t(id, num_attempts, outcome, target) ON t.id = m.id
+                WHERE m.unlock_at IS NOT NULL AND m.num_attempts = t.num_attempts
+                ORDER BY m.id
+                FOR UPDATE OF m
+            ), involved AS (
+                SELECT h.channel AS name, h.outcome = 'deferred' AS written FROM held h
+                UNION ALL
+                SELECT h.target, TRUE FROM held h WHERE h.outcome = 'dead_lettered'
+            )
+            SELECT array_agg(i.name ORDER BY i.name), array_agg(i.written ORDER BY i.name)
+            INTO v_names, v_written
+            FROM (SELECT v.name, bool_or(v.written) AS written FROM involved v GROUP BY v.name) i;
+            IF v_names IS NOT NULL THEN
+                PERFORM pg_advisory_xact_lock_shared(channel_key(u.name))
+                FROM unnest(v_names) WITH ORDINALITY AS u(name, ord)
+                ORDER BY u.ord;
+                -- A statement of its own, after the advisory locks: a policy set before them is
+                -- seen, and none can be set until this transaction ends.
+                PERFORM channel_lock(u.name)
+                FROM unnest(v_names, v_written) WITH ORDINALITY AS u(name, written, ord)
+                WHERE u.written
+                   OR EXISTS (SELECT FROM channel c WHERE c.name = u.name AND c.has_policy)
+                ORDER BY u.ord;
             END IF;
         END IF;
-        v_status[v_item.ord] := message_finish_try(p_ids[v_item.ord],
-            p_num_attempts[v_item.ord], 'failed', p_errors[v_item.ord]);
-    END LOOP;
 
-    RETURN QUERY
-        SELECT t.id, t.status, NULL::TEXT, NULL::BYTEA, NULL::BYTEA, NULL::INTEGER,
-               NULL::BIGINT, NULL::BIGINT, NULL::BIGINT
-        FROM unnest(p_ids, v_status) AS t(id, status);
+        SELECT array_agg(t.ord ORDER BY t.ord), array_agg(p_ids[t.ord] ORDER BY t.ord),
+               array_agg(p_num_attempts[t.ord] ORDER BY t.ord)
+        INTO v_pick, v_ids, v_attempts
+        FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
+        WHERE t.outcome = 'completed';
+        IF v_pick IS NOT NULL THEN
+            FOR v_item IN
+                SELECT d.status, d.n FROM message_delete_many(v_ids, v_attempts)
+                    WITH ORDINALITY AS d(id, status, n)
+            LOOP
+                v_status[v_pick[v_item.n]] := v_item.status;
+            END LOOP;
+        END IF;
+
+        SELECT array_agg(t.ord ORDER BY t.ord), array_agg(p_ids[t.ord] ORDER BY t.ord),
+               array_agg(p_num_attempts[t.ord] ORDER BY t.ord),
+               array_agg(p_dequeue_ats[t.ord] ORDER BY t.ord),
+               array_agg(p_states[t.ord] ORDER BY t.ord)
+        INTO v_pick, v_ids, v_attempts, v_dequeue_ats, v_states
+        FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
+        WHERE t.outcome = 'deferred';
+        IF v_pick IS NOT NULL THEN
+            FOR v_item IN
+                SELECT d.status, d.n
+                FROM message_defer_many(v_ids, v_attempts, v_dequeue_ats, v_states)
+                    WITH ORDINALITY AS d(id, status, n)
+            LOOP
+                v_status[v_pick[v_item.n]] := v_item.status;
+            END LOOP;
+        END IF;
+
+        -- Failures and dead letters are rare: one message at a time.
+        FOR v_item IN
+            SELECT t.ord FROM unnest(p_outcomes) WITH ORDINALITY AS t(outcome, ord)
+            WHERE t.outcome IN ('failed', 'dead_lettered') ORDER BY t.ord
+        LOOP
+            IF p_outcomes[v_item.ord] = 'dead_lettered' THEN
+                -- Held by this attempt (the row locked until the end), or refused below.
+                SELECT m.content INTO v_content FROM message m
+                WHERE m.id = p_ids[v_item.ord] AND m.unlock_at IS NOT NULL
+                  AND m.num_attempts = p_num_attempts[v_item.ord]
+                FOR UPDATE;
+                IF FOUND THEN
+                    SELECT c.status INTO v_created
+                    FROM message_create(v_content, p_channels[v_item.ord]) AS c;
+                    IF v_created = 'dropped' THEN
+                        v_status[v_item.ord] := 'full';
+                        CONTINUE;
+                    END IF;
+                END IF;
+            END IF;
+            v_status[v_item.ord] := message_finish_try(p_ids[v_item.ord],
+                p_num_attempts[v_item.ord], 'failed', p_errors[v_item.ord]);
+        END LOOP;
+
+        RETURN QUERY
+            SELECT t.id, t.status, NULL::TEXT, NULL::BYTEA, NULL::BYTEA, NULL::INTEGER,
+                   NULL::BIGINT, NULL::BIGINT, NULL::BIGINT
+            FROM unnest(p_ids, v_status) AS t(id, status);
+    END IF;
     IF p_limit > 0 THEN
         -- A group commit ends its transaction at once: its takes may move where their
         -- channels' waiting messages begin (channel_head_advance).
