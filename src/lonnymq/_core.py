@@ -376,31 +376,58 @@ def settle_params(outcomes: object, *, schema: str) -> dict[str, list[Any]]:
         if not isinstance(item, Outcome):
             raise InvalidArgumentError(f"outcomes must be Outcome values, got {item!r}")
     claims = check_claims([item.message for item in items], schema=schema)
-    params: dict[str, list[Any]] = {
+    kinds: list[str] = []
+    dequeue_ats: list[int | None] = []
+    states: list[bytes | None] = []
+    errors: list[str | None] = []
+    channels: list[str | None] = []
+    for item in items:
+        kind = item.kind
+        if type(kind) is not OutcomeKind:  # a value given by hand, not by Outcome's builders
+            try:
+                kind = OutcomeKind(kind)
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"outcome kind must be one of {[k.value for k in OutcomeKind]}, "
+                    f"got {item.kind!r}"
+                ) from None
+        kinds.append(kind.value)
+        # (None, the usual value, needs no check.)
+        dequeue_ats.append(
+            None if item.dequeue_at is None else check_time("dequeue_at", item.dequeue_at)
+        )
+        states.append(
+            None if item.state is None else check_payload("state", item.state, optional=True)
+        )
+        if kind is OutcomeKind.COMPLETED or kind is OutcomeKind.DEFERRED:
+            errors.append(None)
+            channels.append(None)
+        else:
+            errors.append(check_error_text(item.error))
+            channels.append(
+                check_target_channel(item.channel) if kind is OutcomeKind.DEAD_LETTERED else None
+            )
+    return {
         "ids": [c[0] for c in claims],
         "num_attempts": [c[1] for c in claims],
-        "outcomes": [],
-        "dequeue_ats": [],
-        "states": [],
-        "errors": [],
-        "channels": [],
+        "outcomes": kinds,
+        "dequeue_ats": dequeue_ats,
+        "states": states,
+        "errors": errors,
+        "channels": channels,
     }
-    for item in items:
-        try:
-            kind = OutcomeKind(item.kind)
-        except ValueError:
-            raise InvalidArgumentError(
-                f"outcome kind must be one of {[k.value for k in OutcomeKind]}, got {item.kind!r}"
-            ) from None
-        gives_up = kind in (OutcomeKind.FAILED, OutcomeKind.DEAD_LETTERED)
-        params["outcomes"].append(kind.value)
-        params["dequeue_ats"].append(check_time("dequeue_at", item.dequeue_at))
-        params["states"].append(check_payload("state", item.state, optional=True))
-        params["errors"].append(check_error_text(item.error) if gives_up else None)
-        params["channels"].append(
-            check_target_channel(item.channel) if kind is OutcomeKind.DEAD_LETTERED else None
-        )
-    return params
+
+
+def settle_arrays(params: dict[str, list[Any]]) -> dict[str, Any]:
+    """``params`` for the call: each optional array that holds only NULLs sent as NULL (the
+    function reads a NULL array as all NULL), which spares encoding it."""
+    return {
+        name: None
+        if name in ("dequeue_ats", "states", "errors", "channels")
+        and all(value is None for value in values)
+        else values
+        for name, values in params.items()
+    }
 
 
 def check_error_text(error: object) -> str:

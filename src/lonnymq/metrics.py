@@ -4,6 +4,7 @@ and a JSON log formatter."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import threading
@@ -73,7 +74,9 @@ class WorkerMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], int] = {}
-        self._histograms: dict[str, list[float]] = {}  # bucket counts, then sum, then count
+        # Per channel: the hits of each bucket alone (a run counts in the first bucket it fits:
+        # the rendering adds them up), then the sum, then the count.
+        self._histograms: dict[str, list[float]] = {}
         self._channels: set[str] = set()
         self.running = 0
 
@@ -94,9 +97,9 @@ class WorkerMetrics:
         with self._lock:
             label = self._label(channel)
             entry = self._histograms.setdefault(label, [0.0] * (len(HANDLER_BUCKETS) + 2))
-            for i, bound in enumerate(HANDLER_BUCKETS):
-                if seconds <= bound:
-                    entry[i] += 1
+            bucket = bisect.bisect_left(HANDLER_BUCKETS, seconds)
+            if bucket < len(HANDLER_BUCKETS):
+                entry[bucket] += 1
             entry[-2] += seconds
             entry[-1] += 1
 
@@ -137,7 +140,9 @@ class WorkerMetrics:
         family("lonnymq_handler_seconds", "histogram", "Handler run time.")
         for channel, entry in histograms:
             label = f"channel={_quote(channel)}"
-            for bound, hits in zip(HANDLER_BUCKETS, entry, strict=False):
+            hits = 0.0
+            for bound, alone in zip(HANDLER_BUCKETS, entry, strict=False):
+                hits += alone
                 out.append(f'lonnymq_handler_seconds_bucket{{{label},le="{bound}"}} {int(hits)}')
             out.append(f'lonnymq_handler_seconds_bucket{{{label},le="+Inf"}} {int(entry[-1])}')
             out.append(f"lonnymq_handler_seconds_sum{{{label}}} {entry[-2]}")

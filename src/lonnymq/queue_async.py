@@ -730,13 +730,19 @@ class AsyncQueue:
     def _reported(self, rows: list[Row]) -> DequeueBatch[AsyncMessage]:
         """The rows of a call that reports, then takes: a status per message reported, then
         'locked' rows, or one 'empty' row with ``retry_at``."""
-        completed = [row for row in rows if row[1] not in ("locked", "empty")]
-        taken = [row[:1] + row[2:] for row in rows if row[1] == "locked"]
-        empty = [row for row in rows if row[1] == "empty"]
+        completed: list[Row] = []
+        messages: list[AsyncMessage] = []
+        retry_at: int | None = None
+        for row in rows:
+            status = row[1]
+            if status == "locked":
+                messages.append(self._message(row[:1] + row[2:]))
+            elif status == "empty":
+                retry_at = row[8]
+            else:
+                completed.append(row)
         return DequeueBatch(
-            messages=[self._message(row) for row in taken],
-            retry_at=empty[0][8] if empty else None,
-            completed=_core.ack_statuses(completed),
+            messages=messages, retry_at=retry_at, completed=_core.ack_statuses(completed)
         )
 
     async def settle(
@@ -764,7 +770,7 @@ class AsyncQueue:
         params["lock_ms"] = _core.check_lock_ms(lock_ms)
         if not self._settle_refused or conn is not None:
             try:
-                rows = await self._fetch("message_settle", params, conn)
+                rows = await self._fetch("message_settle", _core.settle_arrays(params), conn)
             except PermissionDeniedError:
                 if conn is not None:
                     raise

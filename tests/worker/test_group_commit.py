@@ -136,6 +136,10 @@ def test_settle_refuses_bad_input_and_changes_nothing(queue: Queue) -> None:
         queue.settle([message], lock_ms=60_000)  # type: ignore[list-item]
     with pytest.raises(InvalidArgumentError, match="error must be a str"):
         queue.settle([Outcome(message, OutcomeKind.FAILED)], lock_ms=60_000)
+    with pytest.raises(InvalidArgumentError, match="dequeue_at must be an int"):
+        queue.settle([Outcome.defer(message, dequeue_at="soon")], lock_ms=60_000)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="state must be bytes"):
+        queue.settle([Outcome.defer(message, state="text")], lock_ms=60_000)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="reserved"):
         queue.settle(
             [Outcome.dead_letter(message, channel=SCHEDULE_CHANNEL, error="x")], lock_ms=60_000
