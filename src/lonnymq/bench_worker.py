@@ -9,7 +9,8 @@ Each run is measured twice, with the consumer running throughout:
   queue's table (messages created minus messages left), and pickup latency (the message's
   creation to its handler's start) is the time a message waits behind the backlog;
 - *paced*: the producer creates at half the saturated rate, once the backlog has drained:
-  pickup latency is then what a worker that keeps up adds.
+  pickup latency, of the messages created while measured (what was left of the backlog
+  does not count), is then what a worker that keeps up adds.
 
 The durable floor is driven the same way from Python: one connection whose loop finishes the
 messages whose 1 ms has passed and locks one for every free slot, in one plain statement per
@@ -44,6 +45,7 @@ __all__ = [
     "HANDLER_S",
     "Consumer",
     "Load",
+    "Pickups",
     "describe",
     "measure_consumer",
     "percentiles",
@@ -66,6 +68,9 @@ PACE = 0.5
 """The paced phase creates at this share of the saturated rate."""
 STARTUP_S = 60.0
 """How long a consumer may take from its start to its first handler."""
+PACED_GRACE_S = 1.0
+"""After the paced window, how long the handlers of the messages created in it may still start
+and count."""
 DRAIN_WAITS = 10
 """The paced phase waits for the backlog to drain for at most this many measuring periods
 (then measures anyway, and says it had not kept up)."""
@@ -83,14 +88,32 @@ def since_ms(content: bytes) -> float:
     return 1000 * (time.time() - created)
 
 
+class Pickups:
+    """What handlers report as they start: each one's pickup latency (ms, from its message's
+    creation), with the wall-clock time it was reported. ``append(ms)`` is the consumers' one
+    call, safe from any thread (one ``list.append``)."""
+
+    def __init__(self) -> None:
+        self._seen: list[tuple[float, float]] = []
+
+    def append(self, ms: float) -> None:
+        self._seen.append((time.time(), ms))
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def since(self, mark: int) -> list[tuple[float, float]]:
+        """(reported at, latency in ms) of every pickup from the ``mark``-th on."""
+        return self._seen[mark:]
+
+
 class Load:
-    """The producer, and what the consumer's handlers report back to it (no lock needed:
-    ``list.append`` is atomic)."""
+    """The producer, and what the consumer's handlers report back to it."""
 
     def __init__(self, create: Callable[[int], None]) -> None:
         self._create = create
         self.created = 0
-        self.pickups: list[float] = []
+        self.pickups = Pickups()
         self.rate: float | None = None  # None: saturate; else messages per second
         self.stop = threading.Event()
         self.error: BaseException | None = None
@@ -275,13 +298,26 @@ def _floor(dsn: str, raw: str, concurrency: int, load: Load) -> Consumer:
     return consumer
 
 
-def _measure(finished: Callable[[], int], load: Load, seconds: float) -> tuple[float, list[float]]:
-    """Messages finished per second over ``seconds``, and the pickups in that window."""
+def _measure(
+    finished: Callable[[], int], load: Load, seconds: float, *, paced: bool = False
+) -> tuple[float, list[float]]:
+    """Messages finished per second over ``seconds``, and the pickup latencies (ms) of the
+    window: saturated, every pickup in it; paced, those of the messages created in it, however
+    late their handlers start (waiting up to ``PACED_GRACE_S`` after the window for the last
+    ones), and not those of messages left from the backlog."""
     first, mark = finished(), len(load.pickups)
+    began_at = time.time()
     began = time.perf_counter()
     load.stop.wait(seconds)
     last, elapsed = finished(), time.perf_counter() - began
-    return (last - first) / elapsed, load.pickups[mark:]
+    rate = (last - first) / elapsed
+    if not paced:
+        return rate, [ms for _, ms in load.pickups.since(mark)]
+    ended_at = time.time()
+    load.stop.wait(min(seconds, PACED_GRACE_S))
+    return rate, [
+        ms for at, ms in load.pickups.since(mark) if began_at <= at - ms / 1000 <= ended_at
+    ]
 
 
 def run_worker_shape(bench: Any) -> list[dict[str, Any]]:
@@ -414,7 +450,7 @@ def measure_consumer(
                     break
                 load.stop.wait(0.01)
             kept_up = load.waiting() <= concurrency + PACE * rate * 0.05
-            paced_rate, paced = _measure(finished, load, seconds)
+            paced_rate, paced = _measure(finished, load, seconds, paced=True)
     finally:
         load.stop.set()
         consumer.stop()

@@ -372,6 +372,51 @@ def test_the_worker_shape_measures_from_a_slow_starting_consumers_first_handler(
     assert row["pickup_paced"]["p50_ms"] == 0.5
 
 
+def test_paced_pickups_are_those_of_the_messages_created_while_measured() -> None:
+    """The paced phase counts the messages created in its window, each however late it starts
+    (within the grace after the window), and not what was left of the saturated backlog; the
+    saturated phase counts every pickup in its window."""
+
+    class Handlers:
+        """Stands in for ``load.stop`` (only waited on): reports pickups as handlers would,
+        during the window (the first wait) and during the grace after it (the second)."""
+
+        def __init__(self, load: Load) -> None:
+            self.load = load
+            self.waits = 0
+            self.window_end = 0.0
+
+        def wait(self, seconds: float) -> bool:
+            self.waits += 1
+            time.sleep(0.05)
+            if self.waits == 1:
+                self.load.pickups.append(5_000.0)  # created 5 s ago: left from the backlog
+                self.load.pickups.append(1.0)  # created while measured
+                time.sleep(seconds)
+                self.window_end = time.time()
+            else:
+                # Created just before the window ended, started only now; then one created
+                # after the window.
+                self.load.pickups.append(1000 * (time.time() - self.window_end) + 10)
+                self.load.pickups.append(1.0)
+            return False
+
+    load = Load(lambda count: None)
+    load.pickups.append(2.0)  # before the window
+    handlers = Handlers(load)
+    load.stop = handlers  # type: ignore[assignment]
+    _, paced = bench_worker._measure(lambda: 0, load, 0.1, paced=True)
+    assert handlers.waits == 2
+    assert len(paced) == 2
+    assert paced[0] == 1.0
+    assert paced[1] > 10
+    saturated = Load(lambda count: None)
+    saturated.pickups.append(2.0)
+    saturated.stop = Handlers(saturated)  # type: ignore[assignment]
+    _, every = bench_worker._measure(lambda: 0, saturated, 0.1)
+    assert every == [5_000.0, 1.0]
+
+
 def test_the_worker_shape_says_when_a_consumer_never_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
