@@ -417,6 +417,33 @@ def test_paced_pickups_are_those_of_the_messages_created_while_measured() -> Non
     assert every == [5_000.0, 1.0]
 
 
+def test_paced_pickups_of_a_consumer_still_behind_are_its_wait_behind_the_backlog() -> None:
+    """When none of the messages created in the paced window has started by the end of the
+    grace (the consumer is still working through the backlog), the window's pickups are what
+    the row reports, not nothing."""
+
+    class Behind:
+        """Stands in for ``load.stop``: only backlog messages start, in the window."""
+
+        def __init__(self, load: Load) -> None:
+            self.load = load
+            self.waits = 0
+
+        def wait(self, seconds: float) -> bool:
+            self.waits += 1
+            if self.waits == 1:
+                time.sleep(0.05)
+                self.load.pickups.append(3_000.0)
+                self.load.pickups.append(3_100.0)
+                time.sleep(seconds)
+            return False
+
+    load = Load(lambda count: None)
+    load.stop = Behind(load)  # type: ignore[assignment]
+    _, paced = bench_worker._measure(lambda: 0, load, 0.1, paced=True)
+    assert paced == [3_000.0, 3_100.0]
+
+
 def test_the_worker_shape_says_when_a_consumer_never_starts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
