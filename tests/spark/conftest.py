@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 
+from lonnymq.spark._session import LOCAL_SPARK_CONF
+
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
@@ -27,6 +29,7 @@ def spark() -> Iterator[SparkSession]:
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.driver.memory", "1g")
         .config("spark.sql.streaming.forceDeleteTempCheckpointLocation", "true")
+        .config(map=LOCAL_SPARK_CONF)
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

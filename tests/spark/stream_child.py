@@ -16,6 +16,8 @@ import sys
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from lonnymq.spark._session import LOCAL_SPARK_CONF
+
 
 def main() -> None:
     dsn, source, target, checkpoint, mode = sys.argv[1:6]
@@ -25,6 +27,7 @@ def main() -> None:
         .appName("lonnymq-stream-child")
         .config("spark.ui.enabled", "false")
         .config("spark.sql.shuffle.partitions", "2")
+        .config(map=LOCAL_SPARK_CONF)
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")

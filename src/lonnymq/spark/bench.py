@@ -36,6 +36,7 @@ from psycopg import sql
 from .._bench_env import drop_schemas
 from .._bench_env import spark_unavailable as unavailable
 from ..queue import Queue
+from ._session import LOCAL_SPARK_CONF
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -85,6 +86,7 @@ def session(cores: int = 2) -> Iterator[SparkSession]:
         .config("spark.sql.streaming.forceDeleteTempCheckpointLocation", "true")
         # Every micro-batch's progress is counted (100 are kept by default).
         .config("spark.sql.streaming.numRecentProgressUpdates", "10000")
+        .config(map=LOCAL_SPARK_CONF)
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")

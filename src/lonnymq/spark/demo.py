@@ -32,6 +32,7 @@ from .._demo_model import (
     policy_text,
 )
 from . import WriteResult, register, write_result
+from ._session import LOCAL_SPARK_CONF
 
 __all__ = [
     "Dataset",
@@ -68,6 +69,7 @@ def start_spark(log: Path) -> SparkSession:
                 .config("spark.ui.showConsoleProgress", "false")
                 .config("spark.sql.shuffle.partitions", "2")
                 .config("spark.sql.streaming.forceDeleteTempCheckpointLocation", "true")
+                .config(map=LOCAL_SPARK_CONF)
                 .getOrCreate()
             )
         finally:
